@@ -1,0 +1,148 @@
+"""Model and engine configuration.
+
+`ModelConfig.from_hf` reads a HF `config.json` (Llama or Qwen2) and refuses, by field name, anything
+the models here do not implement, so a checkpoint never loads into a silently different network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+CACHE_POLICIES = ("forkkv", "prefix", "full_reuse", "lrshared")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None or the HF llama3 scaling dict (factor, low/high_freq_factor, original_max_position_embeddings).
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (Qwen2: True)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of every LoRA-targetable projection of a decoder layer."""
+        d, f = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (d, self.q_size), "k_proj": (d, self.kv_size), "v_proj": (d, self.kv_size),
+            "o_proj": (self.q_size, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+        }
+
+    @classmethod
+    def from_hf(cls, config: str | os.PathLike | dict) -> "ModelConfig":
+        """From a HF config dict, a `config.json` path, or a checkpoint directory."""
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        c = config
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json: model_type={model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+        if c.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        if c.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        if model_type == "qwen2":
+            attention_bias = True
+        else:
+            attention_bias = bool(c.get("attention_bias", False))
+        rope_theta, rope_scaling = _rope_from_hf(c)
+        num_heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(c: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or None
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"config.json: rope scaling type {kind!r} is not supported "
+                         "(supported: default, llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ValueError(f"config.json: llama3 rope scaling lacks {missing}")
+    return float(theta), {k: scaling[k] for k in keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    cache_policy: str = "forkkv"
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    kv_cache_bytes: int | None = None
+    max_batch_size: int | None = None
+    max_lora_rank: int | None = None
+    max_loras: int = 8  # adapter slots held on the device at once (slot 0 is the bare base model)
+
+    def __post_init__(self):
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy={self.cache_policy!r}: expected one of {CACHE_POLICIES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {DTYPES}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size!r}: expected a positive int")
+        for name in ("kv_cache_bytes", "max_batch_size", "max_lora_rank"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r}: expected a positive int or None")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")

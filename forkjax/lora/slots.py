@@ -1,0 +1,73 @@
+"""Adapter slots on the device: N stacked LoRA weights per projection, slot 0 the bare base model.
+
+Loading an adapter writes its (zero-padded) A and B into one slot of every targeted projection
+and zeros into the others, so a slot always holds exactly one adapter's function.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from forkjax.lora.peft import TARGETS, LoraAdapter
+
+BASE_SLOT = 0
+
+
+def _projection(model, layer: int, module: str):
+    block = model.layers[layer]
+    return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, module)
+
+
+def write_slot(model, slot: int, adapter: LoraAdapter | None):
+    """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`."""
+    if slot == BASE_SLOT and adapter is not None:
+        raise ValueError("slot 0 is reserved for the bare base model")
+    for layer in range(len(model.layers)):
+        for module in TARGETS:
+            proj = _projection(model, layer, module)
+            a_all, b_all = proj.lora_a.get_value(), proj.lora_b.get_value()
+            rank_cap = a_all.shape[-1]
+            a = np.zeros(a_all.shape[1:], np.float32)
+            b = np.zeros(b_all.shape[1:], np.float32)
+            if adapter is not None and (layer, module) in adapter.weights:
+                wa, wb = adapter.weights[(layer, module)]
+                if wa.shape[1] > rank_cap:
+                    raise ValueError(f"adapter {adapter.name!r} has rank {wa.shape[1]} > "
+                                     f"max_lora_rank {rank_cap}")
+                a[:, :wa.shape[1]] = wa
+                b[:wb.shape[0], :] = wb
+            proj.lora_a.set_value(a_all.at[slot].set(jnp.asarray(a, a_all.dtype)))
+            proj.lora_b.set_value(b_all.at[slot].set(jnp.asarray(b, b_all.dtype)))
+
+
+class AdapterSlots:
+    """Host map name -> slot with the adapters' identities (their content hashes)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.by_name: dict[str, tuple[int, LoraAdapter]] = {}
+
+    def slot_of(self, name: str | None) -> int:
+        if name is None:
+            return BASE_SLOT
+        if name not in self.by_name:
+            raise KeyError(f"unknown adapter {name!r} (loaded: {sorted(self.by_name)})")
+        return self.by_name[name][0]
+
+    def assign(self, adapter: LoraAdapter) -> int:
+        """Slot for `adapter`: its old slot when replacing a name, else a free one."""
+        if adapter.name in self.by_name:
+            return self.by_name[adapter.name][0]
+        used = {s for s, _ in self.by_name.values()}
+        free = [s for s in range(1, self.num_slots) if s not in used]
+        if not free:
+            raise ValueError(f"all {self.num_slots - 1} adapter slots are in use; unload one "
+                             "or raise max_loras")
+        return free[0]
+
+    def put(self, slot: int, adapter: LoraAdapter):
+        self.by_name[adapter.name] = (slot, adapter)
+
+    def remove(self, name: str) -> int:
+        return self.by_name.pop(name)[0]

@@ -1,0 +1,92 @@
+"""Built-in models: tiny ones with seeded random weights that run anywhere, and the exact HF shapes
+of real models (seeded random weights made on the device) for GPU benchmarks. Nothing is stored.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forkjax.config import ModelConfig
+from forkjax.lora.peft import LoraAdapter, TARGETS
+from forkjax.models.loader import build_model
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# HF config.json contents (the fields ModelConfig reads).
+BUILTIN_CONFIGS: dict[str, dict] = {
+    "tiny-llama": dict(model_type="llama", vocab_size=258, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       rms_norm_eps=1e-5, rope_parameters={"rope_theta": 500000.0, **_LLAMA3_SCALING},
+                       max_position_embeddings=4096, tie_word_embeddings=False,
+                       bos_token_id=256, eos_token_id=257),
+    "tiny-qwen2": dict(model_type="qwen2", vocab_size=258, hidden_size=96, intermediate_size=192,
+                       num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
+                       tie_word_embeddings=True, bos_token_id=256, eos_token_id=257),
+    "llama3-8b-random": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                             intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                             max_position_embeddings=8192, tie_word_embeddings=False,
+                             bos_token_id=128000, eos_token_id=128001),
+    "qwen2.5-7b-random": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                              intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                              num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                              max_position_embeddings=32768, tie_word_embeddings=False,
+                              bos_token_id=151643, eos_token_id=151643),
+    "qwen2.5-14b-random": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120,
+                               intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                               num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                               max_position_embeddings=32768, tie_word_embeddings=False,
+                               bos_token_id=151643, eos_token_id=151643),
+}
+TINY_MODELS = ("tiny-llama", "tiny-qwen2")
+
+# name -> (rank, lora_alpha, targets, seed): the demo agents of the tiny models.
+DEMO_ADAPTERS = {
+    "planner": (8, 16, ("q_proj", "v_proj"), 1),
+    "coder": (16, 16, TARGETS, 2),
+    "critic": (4, 8, ("v_proj",), 3),
+}
+
+
+def _seed(seed: int, name: str) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(name.encode()))
+
+
+def random_weight(seed: int, name: str, shape, dtype):
+    """Seeded N(0, 1/fan_in) weights (unit embeddings, unit norms): activations stay O(1)."""
+    if name.endswith("norm.weight"):
+        return jnp.ones(shape, dtype)
+    std = 1.0 if "embed_tokens" in name or len(shape) == 1 else shape[-1] ** -0.5
+    if name.endswith(".bias"):
+        std = 0.1
+    return (jax.random.normal(_seed(seed, name), shape, jnp.float32) * std).astype(dtype)
+
+
+def load_builtin(name: str, *, num_slots: int, rank: int, dtype, seed: int = 0, progress=False):
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[name])
+    get = lambda n, shape, dt: random_weight(seed, n, shape, dt)  # noqa: E731
+    return cfg, build_model(cfg, get, num_slots=num_slots, rank=rank, dtype=dtype, progress=progress)
+
+
+def random_adapter(name: str, cfg: ModelConfig, rank: int, alpha: float, targets, seed: int) -> LoraAdapter:
+    """A LoRA adapter with seeded random A and B on `targets` of every layer (host numpy)."""
+    rng = np.random.default_rng(seed)
+    scaling = alpha / rank
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for module in targets:
+            d_in, d_out = cfg.projection_shapes()[module]
+            a = rng.standard_normal((d_in, rank), np.float32) * d_in ** -0.5
+            b = rng.standard_normal((rank, d_out), np.float32) * (0.5 * rank ** -0.5)
+            weights[(layer, module)] = (a, b * np.float32(scaling))
+    return LoraAdapter(name=name, rank=rank, scaling=scaling, weights=weights, source="builtin")
+
+
+def demo_adapters(cfg: ModelConfig) -> dict[str, LoraAdapter]:
+    return {n: random_adapter(n, cfg, r, a, t, s) for n, (r, a, t, s) in DEMO_ADAPTERS.items()}

@@ -1,0 +1,129 @@
+"""HF safetensors checkpoints -> `CausalLM`, with a strict name mapping.
+
+Every checkpoint tensor must be used and every model parameter set, or loading fails naming them:
+a silently half-loaded model is the worst outcome for parity. Parameters keep HF's `[out, in]`
+layout, so loading is a name lookup plus a dtype cast over memory-mapped files. There is no
+converted form, hence no conversion cache: a second load costs what the first did, the time to
+read the file (measured in BENCHMARKS.md). LoRA slots start at zero; `forkjax.lora` fills them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from forkjax.config import ModelConfig
+from forkjax.models.layers import rope_inv_freq
+from forkjax.models.transformer import CausalLM
+
+# get(hf_name, shape, dtype) -> array for one base-model parameter.
+ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
+
+
+def hf_name(path: tuple) -> str:
+    """NNX state path -> HF parameter name (`('layers', 0, 'mlp', ...)` -> `model.layers.0.mlp...`)."""
+    name = ".".join(str(p) for p in path)
+    if path[0] == "lm_head":
+        return "lm_head.weight"
+    if path[0] == "embed_tokens":
+        return "model.embed_tokens.weight"
+    return "model." + name
+
+
+def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
+                progress: bool = False) -> CausalLM:
+    """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    for path, var in tqdm(list(nnx.to_flat_state(state)), desc="loading weights",
+                          disable=not progress, unit="tensor"):
+        spec = var.get_value()
+        if path == ("inv_freq",):
+            value = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        elif path[-1] in ("lora_a", "lora_b"):
+            value = jnp.zeros(spec.shape, spec.dtype)
+        else:
+            value = get(hf_name(path), spec.shape, spec.dtype)
+        flat.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def checkpoint_files(model_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file, from the shard index or the files themselves."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        pickled = glob.glob(os.path.join(model_dir, "*.bin")) + glob.glob(os.path.join(model_dir, "*.pt"))
+        hint = " (pickled .bin/.pt weights are refused: convert them to safetensors)" if pickled else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{hint}")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            names.update({k: file for k in f.keys()})
+    return names
+
+
+def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
+                    progress: bool = True) -> tuple[ModelConfig, CausalLM]:
+    """Load `model_dir` (config.json + safetensors, single or sharded) strictly."""
+    cfg = ModelConfig.from_hf(model_dir)
+    where = checkpoint_files(model_dir)
+    handles: dict[str, object] = {}
+    used: set[str] = set()
+
+    def read(name):
+        file = where[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="flax")
+        return handles[file].get_tensor(name)
+
+    def get(name, shape, dt):
+        if name not in where:
+            raise KeyError(name)
+        t = read(name)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, "
+                             f"the config implies {tuple(shape)}")
+        used.add(name)
+        return jnp.asarray(t, dt)
+
+    missing: list[str] = []
+
+    def get_or_note(name, shape, dt):
+        try:
+            return get(name, shape, dt)
+        except KeyError:
+            missing.append(name)
+            return jnp.zeros((), dt)
+
+    model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
+                        progress=progress)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s): "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    unused = sorted(set(where) - used)
+    if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+        # Some exports write the tied head anyway; it must then equal the embedding.
+        if not np.array_equal(np.asarray(read("lm_head.weight"), np.float32),
+                              np.asarray(read("model.embed_tokens.weight"), np.float32)):
+            raise ValueError(f"{model_dir}: tie_word_embeddings=true but lm_head.weight differs "
+                             "from model.embed_tokens.weight")
+        unused.remove("lm_head.weight")
+    if unused:
+        raise ValueError(f"{model_dir}: checkpoint has {len(unused)} tensor(s) the model does not "
+                         f"use: {', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}")
+    return cfg, model

@@ -1,0 +1,125 @@
+"""Llama and Qwen2 decoder-only models (Flax NNX) with stacked multi-LoRA projections.
+
+One module serves both families: Qwen2 is Llama with q/k/v biases (and usually tied embeddings).
+Attribute names mirror HF's parameter names (`layers.3.self_attn.k_proj.weight`), so the loader
+maps a checkpoint by name.
+
+The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
+and delegates attention to `attn_fn`, which receives K and V as (base, residual) pairs: the dense
+reference here, the paged kernels in the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from forkjax.config import ModelConfig
+from forkjax.models.layers import LoRALinear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardBatch:
+    positions: jax.Array    # [T] int32 position of every token in its sequence
+    group_sizes: jax.Array  # [N] int32 tokens per adapter slot (tokens are ordered by slot)
+    attn: Any = None        # attention backend metadata (a pytree)
+
+
+# attn_fn(layer, q [T,Hq,D] roped, k=(base [T,Hkv,D] roped, res [T,R]), v=(base, res),
+#         b_k [N,R,Hkv*D], b_v [N,R,Hkv*D], rope=(cos, sin) [T,D], batch, layer_state)
+#   -> (out [T, Hq, D], layer_state)
+AttnFn = Callable[..., tuple[jax.Array, Any]]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, **lora):
+        d, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = LoRALinear(d, cfg.q_size, bias=bias, **lora)
+        self.k_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
+        self.v_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
+        self.o_proj = LoRALinear(cfg.q_size, d, bias=False, **lora)
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
+        hq, hkv, hd = self.heads
+        t, gs = x.shape[0], batch.group_sizes
+        cos, sin = rope
+        q = apply_rope(self.q_proj.merged(x, gs).reshape(t, hq, hd), cos, sin)
+        kb, kr = self.k_proj(x, gs)
+        vb, vr = self.v_proj(x, gs)
+        kb = apply_rope(kb.reshape(t, hkv, hd), cos, sin)
+        out, state = attn_fn(layer, q, (kb, kr), (vb.reshape(t, hkv, hd), vr),
+                             self.k_proj.lora_b[...], self.v_proj.lora_b[...], rope, batch, state)
+        return self.o_proj.merged(out.reshape(t, hq * hd), gs), state
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, **lora):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = LoRALinear(d, f, bias=False, **lora)
+        self.up_proj = LoRALinear(d, f, bias=False, **lora)
+        self.down_proj = LoRALinear(f, d, bias=False, **lora)
+
+    def __call__(self, x, gs):
+        h = jax.nn.silu(self.gate_proj.merged(x, gs)) * self.up_proj.merged(x, gs)
+        return self.down_proj.merged(h, gs)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, **lora):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, **lora)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype=dtype, **lora)
+
+    def __call__(self, layer, x, rope, batch, attn_fn, state):
+        h, state = self.self_attn(layer, self.input_layernorm(x), rope, batch, attn_fn, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), batch.group_sizes), state
+
+
+class CausalLM(nnx.Module):
+    """HF `LlamaForCausalLM` / `Qwen2ForCausalLM` with N LoRA slots of rank R on every projection."""
+
+    def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32):
+        self.dtype = dtype
+        # float32 means "exact": no TF32 on the GPU.
+        precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+        self.precision = precision
+        lora = dict(num_slots=num_slots, rank=rank, precision=precision)
+        self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, **lora) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype)))
+        self.inv_freq = nnx.Variable(jnp.asarray(
+            rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+
+    def __call__(self, tokens, batch: ForwardBatch, attn_fn: AttnFn, kv_state=None,
+                 output_hidden_states: bool = False):
+        """tokens [T] int32 -> (final normed hidden [T, d], kv_state, per-layer hidden list).
+
+        `kv_state` is a list with one entry per layer (or None): each layer's cache, threaded
+        through `attn_fn` so the caller can donate it.
+        """
+        x = self.embed_tokens[...][tokens]
+        rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype)
+        states = list(kv_state) if kv_state is not None else [None] * len(self.layers)
+        hidden = [x] if output_hidden_states else []
+        for i, layer in enumerate(self.layers):
+            x, states[i] = layer(i, x, rope, batch, attn_fn, states[i])
+            if output_hidden_states:
+                hidden.append(x)
+        return self.norm(x), states, hidden
+
+    def logits(self, h):
+        """h [T, d] -> [T, vocab] float32."""
+        w = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+        return linear(h, w, self.precision).astype(jnp.float32)

@@ -1,0 +1,89 @@
+"""The Engine contract of DESIGN.md §3 on the built-in models (no files needed)."""
+
+import numpy as np
+import pytest
+
+import forkjax
+
+STATS_KEYS = {"base_pages_total", "base_pages_used", "residual_pages_total", "residual_pages_used",
+              "base_bytes_used", "residual_bytes_used", "prompt_tokens", "base_hit_tokens",
+              "residual_hit_tokens", "decode_batch_size_mean"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return forkjax.Engine.from_pretrained("tiny-llama", dtype="float32")
+
+
+def test_tiny_llama_generates_from_text(tiny):
+    out = tiny.generate(["Hello"], max_new_tokens=8)
+    assert len(out) == 1 and len(out[0]) <= 8 and all(0 <= t < 258 for t in out[0])
+    assert tiny.generate(["Hello"], max_new_tokens=8) == out  # greedy is deterministic
+
+
+def test_demo_adapters_change_the_output(tiny):
+    assert set(tiny.slots.by_name) == {"planner", "coder", "critic"}
+    base = tiny.score("The plan is", adapter=None)
+    for name in ("planner", "coder", "critic"):
+        assert not np.allclose(tiny.score("The plan is", adapter=name), base)
+
+
+def test_batched_generation_equals_one_by_one(tiny):
+    prompts = ["Hi", "A longer prompt here", "x"]
+    adapters = ["coder", None, "critic"]
+    batched = tiny.generate(prompts, adapters=adapters, max_new_tokens=6)
+    for p, a, got in zip(prompts, adapters, batched):
+        assert tiny.generate([p], adapters=a, max_new_tokens=6) == [got]
+
+
+def test_sampling_is_seeded(tiny):
+    a = tiny.generate(["abc", "abc"], max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+    assert a == tiny.generate(["abc", "abc"], max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+    assert a != tiny.generate(["abc", "abc"], max_new_tokens=12, temperature=1.0, top_p=0.9, seed=4)
+
+
+def test_score_shape_and_stats(tiny):
+    logits = tiny.score([256, 72, 105])
+    assert logits.shape == (3, 258) and logits.dtype == np.float32
+    stats = tiny.stats()
+    assert STATS_KEYS <= set(stats) and stats["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda e: e.generate([[1, 2]], adapters="nobody"), "unknown adapter"),
+    (lambda e: e.generate([[1, 999]]), "outside the vocabulary"),
+    (lambda e: e.generate([[]]), "empty prompt"),
+    (lambda e: e.generate([[1]], max_new_tokens=-1), "max_new_tokens"),
+    (lambda e: e.generate([[1]], temperature=-1.0), "temperature"),
+    (lambda e: e.generate([[1]], top_p=0.0), "top_p"),
+    (lambda e: e.generate([[1], [2]], adapters=["coder"]), "1 adapters for 2 prompts"),
+    (lambda e: e.score(list(range(1, 200)) * 30), "exceeds the context"),
+])
+def test_bad_requests_raise_clear_errors_and_engine_keeps_serving(tiny, call, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        call(tiny)
+    assert len(tiny.generate(["ok"], max_new_tokens=2)[0]) == 2
+
+
+def test_load_replace_and_unload_adapter(tiny, hf_suite):
+    from forkjax.models.builtin import random_adapter
+    cfg = tiny.model_cfg
+    before = tiny.score("abc", adapter="planner")
+    tiny.load_adapter("planner", random_adapter("planner", cfg, 8, 16, ("q_proj",), seed=99))
+    assert not np.allclose(tiny.score("abc", adapter="planner"), before)
+    tiny.load_adapter("extra", random_adapter("extra", cfg, 4, 4, ("o_proj",), seed=7))
+    tiny.unload_adapter("extra")
+    with pytest.raises(KeyError):
+        tiny.score("abc", adapter="extra")
+    with pytest.raises(FileNotFoundError):
+        tiny.load_adapter("bad", "/nonexistent/adapter")
+    with pytest.raises(ValueError, match="another model"):  # a Llama-suite adapter: other shapes
+        tiny.load_adapter("alien", hf_suite["llama"][1]["qkvo8"])
+
+
+def test_tiny_qwen2_and_policies():
+    for policy in ("forkkv", "prefix", "full_reuse", "lrshared"):
+        e = forkjax.Engine.from_pretrained("tiny-qwen2", cache_policy=policy, adapters={})
+        assert len(e.generate(["Hello"], max_new_tokens=3)[0]) == 3
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        forkjax.Engine.from_pretrained("no-such-model")
