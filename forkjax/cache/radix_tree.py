@@ -1,0 +1,301 @@
+"""Radix tree over token ids whose values are pages of one pool (SGLang `RadixCache` shape).
+
+Keys are token-granular, storage is page-granular. A node spans absolute token positions
+[start, end) and holds the physical page of every page index that span touches:
+`pages[j]` stores positions [(start//S + j)·S, (start//S + j + 1)·S). When a node boundary falls
+inside a page, two nodes of one path touch that page index:
+
+* after a split, the lower node keeps using its parent's page (`shares_first`; both hold a
+  reference, the parent "owns" it for accounting);
+* after a copy-on-write fork, the new branch holds its own copy (same tokens before the fork
+  point, its own tokens after).
+
+Either way the deepest node on a path says where a position lives, and every page has exactly
+one owning node, so evictable + protected sizes count each page once.
+
+Namespaces (adapter keys, or SHARED; see policy.py) get separate roots, so lookups never cross
+them. Inserted keys must be whole pages; a match may end anywhere and the caller copies the
+partly matched last page before writing into it (see seq_cache.py).
+
+LRU eviction pops unlocked leaves from a heap keyed by last access; stale entries (the node was
+touched, locked, grew children or was evicted since) are skipped when popped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Hashable
+
+import numpy as np
+
+from forkjax.cache.allocator import PageAllocator
+
+_EMPTY = np.zeros(0, np.int32)
+
+
+class TreeNode:
+    __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "last_access",
+                 "shares_first", "alive")
+
+    def __init__(self, key, pages, start, parent, ns, shares_first=False):
+        self.key = key  # [n] int32 token ids of this edge
+        self.pages = pages  # [ceil(end/S) - start//S] int32 physical pages
+        self.start = start
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}  # first token id -> child
+        self.ns = ns
+        self.lock_ref = 0
+        self.last_access = 0
+        self.shares_first = shares_first  # pages[0] is the parent's last page
+        self.alive = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    @property
+    def own_pages(self) -> int:
+        return len(self.pages) - self.shares_first
+
+
+def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    neq = a[:m] != b[:m]
+    i = int(neq.argmax()) if m else 0
+    return i if m and neq[i] else m
+
+
+def _append_pages(chunks: list[np.ndarray], node: TreeNode, page_size: int) -> None:
+    if node.start % page_size:
+        # The parent's last page index is this node's first: the deeper node's page wins (the
+        # same physical page after a split, this branch's own copy after a copy-on-write fork).
+        chunks[-1] = chunks[-1][:-1]
+    chunks.append(node.pages)
+
+
+class RadixTree:
+    def __init__(self, page_size: int, allocator: PageAllocator):
+        self.page_size = page_size
+        self.allocator = allocator
+        self.roots: dict[Hashable, TreeNode] = {}
+        self.ns_pages: dict[Hashable, int] = defaultdict(int)  # owned pages per namespace
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._clock = 0
+        self._heap: list = []  # (last_access, tiebreak, node) of candidate leaves
+        self._tiebreak = itertools.count()
+
+    @classmethod
+    def for_test(cls, page_size: int = 4, num_pages: int = 64) -> RadixTree:
+        """A tree with its own host allocator; no device memory anywhere."""
+        return cls(page_size, PageAllocator(num_pages))
+
+    # ---- lookup and insertion -------------------------------------------------------------
+
+    def root(self, ns: Hashable) -> TreeNode:
+        node = self.roots.get(ns)
+        if node is None:
+            node = self.roots[ns] = TreeNode(_EMPTY, _EMPTY, 0, None, ns)
+        return node
+
+    def match_prefix(self, ns: Hashable, key: np.ndarray) -> tuple[int, np.ndarray, TreeNode]:
+        """Longest cached prefix of `key` in namespace `ns`: (length, pages, last_node).
+
+        pages: [ceil(length/S)] int32; the last one is only partly matched when length % S != 0
+        and must be copied before anything is written into it. The match is split out so that
+        `last_node` ends exactly at `length` (lock it to keep the prefix alive).
+        """
+        length, node, chunks = self._walk(ns, np.asarray(key, np.int32))
+        return length, np.concatenate(chunks), node
+
+    def insert(self, ns: Hashable, key: np.ndarray, pages: np.ndarray,
+               node: TreeNode | None = None) -> tuple[int, TreeNode]:
+        """Cache `key` (whole pages) backed by `pages` [len(key)/S]; returns (prefix_len, last_node).
+
+        prefix_len tokens were cached already. If a leaf is added it takes over the caller's
+        reference to pages[prefix_len//S:]; the caller must drop its other private pages.
+        node: a node (locked by the caller) whose path spells key[:node.end]; the walk starts
+        there instead of re-comparing a long shared prefix.
+        """
+        key = np.asarray(key, np.int32)
+        S = self.page_size
+        if len(key) % S or len(pages) != len(key) // S:
+            raise ValueError(f"insert needs whole pages: {len(key)} tokens, {len(pages)} pages, S={S}")
+        prefix_len, node, _ = self._walk(ns, key, node)
+        if prefix_len < len(key):
+            first = prefix_len // S
+            if prefix_len % S and len(node.pages) and pages[first] == node.pages[-1]:
+                raise ValueError("the page at the fork point belongs to the tree; copy it first")
+            leaf = TreeNode(key[prefix_len:].copy(), np.array(pages[first:], np.int32), prefix_len, node, ns)
+            node.children[int(key[prefix_len])] = leaf
+            leaf.last_access = self._clock
+            self._num_nodes += 1
+            self._evictable += leaf.own_pages
+            self.ns_pages[ns] += leaf.own_pages
+            self._push(leaf)
+            node = leaf
+        return prefix_len, node
+
+    def path_pages(self, node: TreeNode, top: TreeNode | None = None) -> np.ndarray:
+        """Pages of positions [0, node.end), or from page index top.end // S when `top` (an
+        ancestor) is given. The deepest node wins where two touch a page."""
+        path = []
+        while node.parent is not None and node is not top:
+            path.append(node)
+            node = node.parent
+        chunks: list[np.ndarray] = [_EMPTY]  # stands for the pages above, so a mid-page start drops nothing
+        for n in reversed(path):
+            _append_pages(chunks, n, self.page_size)
+        return np.concatenate(chunks)
+
+    def _walk(self, ns, key, node=None):
+        """Follow `key` from the root of `ns` (or from `node`, at position node.end), splitting the
+        node where the match ends."""
+        node = self.root(ns) if node is None else node
+        self._clock += 1
+        now = self._clock
+        chunks: list[np.ndarray] = [_EMPTY]
+        pos = node.end
+        while pos < len(key):
+            child = node.children.get(int(key[pos]))
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, key[pos:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._touch(child, now)
+            _append_pages(chunks, child, self.page_size)
+            node = child
+            pos += n
+        return pos, node, chunks
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after n tokens; returns the new upper node, `child` keeps the rest."""
+        S = self.page_size
+        cut = child.start + n
+        upper = TreeNode(child.key[:n], child.pages[: -(-cut // S) - child.start // S], child.start,
+                         child.parent, child.ns, child.shares_first)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.children = {int(child.key[n]): child}
+        child.parent.children[int(child.key[0])] = upper
+        child.pages = child.pages[cut // S - child.start // S :]
+        child.key = child.key[n:]
+        child.start = cut
+        child.parent = upper
+        child.shares_first = cut % S != 0
+        if child.shares_first:
+            self.allocator.inc_ref(child.pages[:1])
+        self._num_nodes += 1
+        return upper
+
+    # ---- locking and eviction -------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect node and its ancestors from eviction (a running request holds them)."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable -= node.own_pages
+                self._protected += node.own_pages
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref <= 0:
+                raise ValueError("dec_lock_ref on an unlocked node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += node.own_pages
+                self._protected -= node.own_pages
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages pages from least recently used unlocked leaves; returns freed."""
+        freed = 0
+        while freed < num_pages and self._heap:
+            last_access, _, node = heapq.heappop(self._heap)
+            if node.alive and node.lock_ref == 0 and not node.children and node.last_access == last_access:
+                freed += self._delete_leaf(node)
+        return freed
+
+    def _delete_leaf(self, node: TreeNode) -> int:
+        self.allocator.dec_ref(node.pages)  # a shared first page survives in the parent
+        own = node.own_pages
+        self._evictable -= own
+        self.ns_pages[node.ns] -= own
+        parent = node.parent
+        del parent.children[int(node.key[0])]
+        node.alive = False
+        self._num_nodes -= 1
+        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+        return own
+
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access = now
+        if not node.children and node.lock_ref == 0:
+            self._push(node)
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+        if len(self._heap) > 4 * self._num_nodes + 1024:
+            # Stale entries pile up (every touch pushes one); rebuild from the live leaves.
+            self._heap = [(n.last_access, next(self._tiebreak), n) for n in self._nodes()
+                          if not n.children and n.lock_ref == 0]
+            heapq.heapify(self._heap)
+
+    def is_attached(self, node: TreeNode) -> bool:
+        while node.parent is not None:
+            if not node.alive or node.parent.children.get(int(node.key[0])) is not node:
+                return False
+            node = node.parent
+        return self.roots.get(node.ns) is node
+
+    # ---- invariants -----------------------------------------------------------------------
+
+    def _nodes(self):
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check(self) -> np.ndarray:
+        """Assert the structural invariants; returns holders [num_pages]: nodes listing each page."""
+        S = self.page_size
+        evictable = protected = count = 0
+        ns_pages: dict = defaultdict(int)
+        all_pages = [_EMPTY]
+        for node in self._nodes():
+            count += 1
+            parent = node.parent
+            assert node.alive and len(node.key) > 0
+            assert parent.children[int(node.key[0])] is node, "child indexed under the wrong token"
+            assert node.start == parent.end and node.ns == parent.ns
+            assert len(node.pages) == -(-node.end // S) - node.start // S, "pages do not cover the span"
+            assert not np.any(node.pages == 0), "the sink page is in the tree"
+            if node.shares_first:
+                assert node.start % S and node.pages[0] == parent.pages[-1], "bad shared page"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock not on path"
+            if node.lock_ref:
+                protected += node.own_pages
+            else:
+                evictable += node.own_pages
+            ns_pages[node.ns] += node.own_pages
+            all_pages.append(node.pages)
+        assert count == self._num_nodes
+        assert (evictable, protected) == (self._evictable, self._protected), "size counters drifted"
+        assert {k: v for k, v in ns_pages.items() if v} == {k: v for k, v in self.ns_pages.items() if v}
+        return np.bincount(np.concatenate(all_pages), minlength=self.allocator.num_pages)
