@@ -2,9 +2,22 @@ import functools
 import os
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Many tests compile the same tiny programs, in both xdist workers: share them on disk. XLA's CPU
+# compiles, not the runs, dominate this suite's time on 2 cores.
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# Engines in tests compile lazily (warm-up compiles every bucket: minutes on 2 CPU cores) and
+# keep buckets and page tables small.
+SMALL = dict(warmup=False, max_prefill_tokens=128, max_model_len=512, max_batch_size=8,
+             kv_cache_bytes=32 << 20)
 
 
 @pytest.fixture(scope="session")
@@ -16,12 +29,14 @@ def hf_suite(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine_for(hf_suite):
-    """engine_for(kind, dtype) -> a forkjax Engine over that checkpoint with all its adapters."""
+    """engine_for(kind, dtype) -> a forkjax Engine over that checkpoint with all its adapters,
+    under the exact `prefix` policy (forkkv shares base K/V across adapters: lossy by design)."""
     import forkjax
 
     @functools.lru_cache(maxsize=None)
     def make(kind, dtype):
         base, adapters = hf_suite[kind]
-        return forkjax.Engine.from_pretrained(base, adapters=adapters, dtype=dtype)
+        return forkjax.Engine.from_pretrained(base, adapters=adapters, dtype=dtype,
+                                              cache_policy="prefix", **SMALL)
 
     return make

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import forkjax
+from conftest import SMALL
 
 STATS_KEYS = {"base_pages_total", "base_pages_used", "residual_pages_total", "residual_pages_used",
               "base_bytes_used", "residual_bytes_used", "prompt_tokens", "base_hit_tokens",
@@ -12,7 +13,7 @@ STATS_KEYS = {"base_pages_total", "base_pages_used", "residual_pages_total", "re
 
 @pytest.fixture(scope="module")
 def tiny():
-    return forkjax.Engine.from_pretrained("tiny-llama", dtype="float32")
+    return forkjax.Engine.from_pretrained("tiny-llama", dtype="float32", cache_policy="prefix", **SMALL)
 
 
 def test_tiny_llama_generates_from_text(tiny):
@@ -57,7 +58,8 @@ def test_score_shape_and_stats(tiny):
     (lambda e: e.generate([[1]], temperature=-1.0), "temperature"),
     (lambda e: e.generate([[1]], top_p=0.0), "top_p"),
     (lambda e: e.generate([[1], [2]], adapters=["coder"]), "1 adapters for 2 prompts"),
-    (lambda e: e.score(list(range(1, 200)) * 30), "exceeds the context"),
+    (lambda e: e.score(list(range(1, 200)) * 3), "exceeds the context"),
+    (lambda e: e.generate([[1] * 500], max_new_tokens=20), "exceeds the context"),
 ])
 def test_bad_requests_raise_clear_errors_and_engine_keeps_serving(tiny, call, match):
     with pytest.raises((ValueError, KeyError), match=match):
@@ -83,7 +85,7 @@ def test_load_replace_and_unload_adapter(tiny, hf_suite):
 
 def test_tiny_qwen2_and_policies():
     for policy in ("forkkv", "prefix", "full_reuse", "lrshared"):
-        e = forkjax.Engine.from_pretrained("tiny-qwen2", cache_policy=policy, adapters={})
+        e = forkjax.Engine.from_pretrained("tiny-qwen2", cache_policy=policy, adapters={}, **SMALL)
         assert len(e.generate(["Hello"], max_new_tokens=3)[0]) == 3
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         forkjax.Engine.from_pretrained("no-such-model")

@@ -62,12 +62,13 @@ def test_mixed_adapter_batch_greedy_equals_hf_generate(hf_suite, engine_for, kin
         assert got == hf_greedy(refs[name], prompt, 10), (kind, name)
 
 
-def test_mixed_batch_logits_equal_single_requests(engine_for):
+def test_mixed_batch_scores_equal_single_requests(engine_for):
     """Rows of different adapters in one forward do not leak into each other."""
     engine = engine_for("llama", "float32")
     names = [None, "qkvo8", "all4rs", "v16"]
     prompts = [_prompt(200 + i, 9 + 4 * i, engine.model_cfg.vocab_size) for i in range(4)]
-    slots = [engine.slots.slot_of(n) for n in names]
-    batched = engine._run(prompts, slots, all_rows=True)
-    for p, n, got in zip(prompts, names, batched):
+    seqs = [engine.add_request(p, n, score=True) for p, n in zip(prompts, names)]
+    engine._run_until_done(seqs)
+    for p, n, seq in zip(prompts, names, seqs):
+        got = np.concatenate(seq.prompt_logits)
         np.testing.assert_allclose(got, engine.score(p, adapter=n), rtol=1e-5, atol=1e-5)

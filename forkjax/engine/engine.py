@@ -1,88 +1,75 @@
-"""The public `Engine` (DESIGN.md §3).
+"""The public `Engine` (DESIGN.md §3): paged dual KV cache, continuous batching, multi-LoRA.
 
-First version: a dense forward over whole sequences with no KV cache (every step recomputes the
-batch), exact for greedy decoding and scoring. The paged cache, scheduler and kernels replace the
-insides behind the same contract.
+    step():  batch = scheduler.schedule(); out = runner.run(batch); postprocess(batch, out)
+
+`generate` and `score` submit requests and step until theirs finish; a server drives the same
+`add_request` / `step` / `abort` API from its own loop.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from forkjax.config import EngineConfig
-from forkjax.engine.sampler import sample, validate_sampling
-from forkjax.lora.peft import LoraAdapter, load_peft_adapter
+from forkjax.cache import DualRadixCache, PoolLayout, check_shared_lora_a
+from forkjax.config import EngineConfig, ModelConfig
+from forkjax.engine.buckets import Buckets
+from forkjax.engine.loading import load_model_and_adapters
+from forkjax.engine.model_runner import ModelRunner
+from forkjax.engine.scheduler import ScheduledBatch, Scheduler
+from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, write_slot
-from forkjax.models.attention import DenseMeta, dense_attention
-from forkjax.models.builtin import BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin
-from forkjax.models.loader import load_checkpoint
-from forkjax.models.transformer import ForwardBatch
-from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    """Pad token counts to powers of two so a few shapes cover every batch."""
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
-def _forward(graphdef, state, tokens, positions, segment_ids, group_sizes, rows):
-    """One dense forward -> float32 logits of `rows` [K] of the flat batch."""
-    model = nnx.merge(graphdef, state)
-    batch = ForwardBatch(positions=positions, group_sizes=group_sizes,
-                         attn=DenseMeta(segment_ids=segment_ids))
-    attn = lambda *a: dense_attention(*a, precision=model.precision)  # noqa: E731
-    h, _, _ = model(tokens, batch, attn)
-    return model.logits(h[rows])
+DEFAULT_CPU_KV_BYTES = 256 << 20
 
 
 class Engine:
-    def __init__(self, model_cfg, model, engine_cfg: EngineConfig, tokenizer=None):
-        self.model_cfg = model_cfg
-        self.model = model
-        self.config = engine_cfg
-        self.tokenizer = tokenizer
-        self.slots = AdapterSlots(engine_cfg.max_loras)
-        self._forward = jax.jit(_forward, static_argnums=0)
-        self._split()
-        self._stats = {"prompt_tokens": 0, "decode_steps": 0, "decode_seqs": 0}
+    def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
+                 max_model_len: int | None = None, max_prefill_tokens: int = 2048,
+                 use_pallas: bool | None = None, warmup: bool = True, progress: bool = True):
+        self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
+        self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        on_gpu = jax.default_backend() == "gpu"
+        self.slots = AdapterSlots(cfg.max_loras)
+        rank = model.layers[0].self_attn.k_proj.lora_a.get_value().shape[-1]
+        layout = PoolLayout.from_budget(
+            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
+            kv_cache_bytes=cfg.kv_cache_bytes or _default_kv_bytes(on_gpu),
+            policy=cfg.cache_policy, dtype=cfg.dtype)
+        self.cache = DualRadixCache.from_layout(layout)
+        max_batch = cfg.max_batch_size or (64 if on_gpu else 16)
+        buckets = Buckets(max_batch, max_prefill_tokens)
+        self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
+                                   max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
+                                  max_model_len=self.max_model_len,
+                                  use_pallas=on_gpu if use_pallas is None else use_pallas)
+        self._decode_steps = self._decode_seqs = 0
+        self.step_times = {"host_s": 0.0, "device_s": 0.0, "steps": 0}
+        if warmup:
+            self.runner.warmup(progress)
 
     @classmethod
     def from_pretrained(cls, model, adapters=None, cache_policy="forkkv", dtype="bfloat16",
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
-                        max_lora_rank=None, *, max_loras: int = 8, seed: int = 0):
+                        max_lora_rank=None, *, max_loras: int = 8, seed: int = 0, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
-        LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None."""
+        LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
+        Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress) go to
+        the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras)
-        jdtype = _DTYPES[dtype]
-        if isinstance(model, str) and model in BUILTIN_CONFIGS:
-            from forkjax.config import ModelConfig
-            model_cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[model])
-            tokenizer = ByteTokenizer() if model in TINY_MODELS else None
-            if adapters is None and model in TINY_MODELS:
-                adapters = demo_adapters(model_cfg)
-            loaded = _read_adapters(adapters or {}, model_cfg)
-            rank = _rank_cap(loaded, max_lora_rank)
-            model_cfg, net = load_builtin(model, num_slots=max_loras, rank=rank, dtype=jdtype, seed=seed)
-        elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-            from forkjax.config import ModelConfig
-            model_cfg = ModelConfig.from_hf(model)
-            loaded = _read_adapters(adapters or {}, model_cfg)
-            rank = _rank_cap(loaded, max_lora_rank)
-            model_cfg, net = load_checkpoint(os.fspath(model), num_slots=max_loras, rank=rank, dtype=jdtype)
-            tokenizer = load_tokenizer(os.fspath(model))
-        else:
-            raise ValueError(f"model={model!r}: not a checkpoint directory nor a built-in model "
-                             f"({', '.join(BUILTIN_CONFIGS)})")
-        engine = cls(model_cfg, net, cfg, tokenizer)
+        model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
+        if cache_policy == "lrshared":
+            _check_lrshared(loaded)
+        engine = cls(model_cfg, net, cfg, tokenizer, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter)
         return engine
@@ -90,125 +77,175 @@ class Engine:
     # ---- adapters ---------------------------------------------------------------------------
 
     def load_adapter(self, name: str, path):
-        """Add or replace adapter `name` from a PEFT directory (or a `LoraAdapter`)."""
-        adapter = _read_adapters({name: path}, self.model_cfg)[0]
+        """Add or replace adapter `name` (PEFT dir or `LoraAdapter`). Requests already running on
+        a replaced adapter finish first; new ones see the new weights and a new cache identity."""
+        from forkjax.engine.loading import read_adapters
+        adapter = read_adapters({name: path}, self.model_cfg)[0]
+        if self.config.cache_policy == "lrshared":
+            others = [a for n, (_, a) in self.slots.by_name.items() if n != name]
+            _check_lrshared(others + [adapter])
+        self._drain(name)
         self._install(adapter)
 
     def unload_adapter(self, name: str):
-        slot = self.slots.remove(name)
-        write_slot(self.model, slot, None)
-        self._split()
+        """Remove adapter `name` once the requests running on it have finished."""
+        self.slots.slot_of(name)  # KeyError for an unknown name, before anything changes
+        self._drain(name)
+        write_slot(self.model, self.slots.remove(name), None)
+        self.runner.set_model(self.model)
+
+    def _drain(self, name: str):
+        while any(s.adapter == name for s in self.scheduler.running + list(self.scheduler.waiting)):
+            self.step()
 
     def _install(self, adapter: LoraAdapter):
         slot = self.slots.assign(adapter)
         write_slot(self.model, slot, adapter)
         self.slots.put(slot, adapter)
-        self._split()
-
-    def _split(self):
-        self._graphdef, self._state = nnx.split(self.model)
+        self.runner.set_model(self.model)
 
     # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
+                    score: bool = False) -> Sequence:
+        """Validate and queue one request (ValueError / KeyError and nothing queued if bad)."""
+        ids = self._prompt_ids(prompt)
+        slot = self.slots.slot_of(adapter)
+        key = None if adapter is None else self.slots.by_name[adapter][1].content_hash
+        params = params or SamplingParams()
+        if not params.ignore_eos:
+            params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
+                set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
+        seq = Sequence(ids, adapter, slot, key, params, score=score)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence):
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the requests it advanced (finished ones included)."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t1 = time.perf_counter()
+        out = self.runner.run(batch, all_logits=any(s.score for s in batch.seqs))
+        t2 = time.perf_counter()
+        self._postprocess(batch, out)
+        t3 = time.perf_counter()
+        self.step_times["host_s"] += (t1 - t0) + (t3 - t2)
+        self.step_times["device_s"] += t2 - t1
+        self.step_times["steps"] += 1
+        return batch.seqs
+
+    def _postprocess(self, batch: ScheduledBatch, out):
+        if batch.kind == "decode":
+            self._decode_steps += 1
+            self._decode_seqs += len(batch.seqs)
+        for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.num_computed = end
+            if seq.score:
+                seq.prompt_logits.append(out[i])
+                if end == len(seq):
+                    self.scheduler.finish(seq, "length")
+                continue
+            if end < len(seq):
+                continue  # a prefill chunk that has not reached the last token yet
+            if batch.kind == "extend":  # prompt done: share its whole pages with newcomers now
+                seq.cache.commit(np.asarray(seq.tokens[:end], np.int32))
+            token = int(out[i])
+            seq.output.append(token)
+            p = seq.params
+            if token in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.output) >= p.max_new_tokens or len(seq) >= self.max_model_len:
+                self.scheduler.finish(seq, "length")
+
+    def _run_until_done(self, seqs: list[Sequence]):
+        while any(s.status is not Status.FINISHED for s in seqs):
+            if not self.step() and not self.scheduler.has_work:
+                break
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+
+    def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
+                 seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False) -> list[list[int]]:
+        if adapters is None or isinstance(adapters, str):
+            adapters = [adapters] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 top_k=top_k, seed=(seed * 1000003 + i) & 0xFFFFFFFF,
+                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                  for i in range(len(prompts))]
+        seqs = []
+        try:
+            for prompt, adapter, p in zip(prompts, adapters, params):
+                seq = self.add_request(prompt, adapter, p)
+                if p.max_new_tokens == 0:
+                    self.scheduler.finish(seq, "length")
+                seqs.append(seq)
+            self._run_until_done(seqs)
+        except BaseException:
+            for s in seqs:
+                self.abort(s)
+            raise
+        return [list(s.output) for s in seqs]
+
+    def score(self, prompt_ids, adapter=None) -> np.ndarray:
+        """[len(prompt), vocab] float32 logits of every prompt position, computed through the
+        cache: positions the cache holds are read from it (another agent's shared base under
+        `forkkv`), only misses are written."""
+        seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True)
+        try:
+            self._run_until_done([seq])
+        except BaseException:
+            self.abort(seq)
+            raise
+        return np.concatenate(seq.prompt_logits, axis=0).astype(np.float32)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; this model has none: pass token ids")
             prompt = self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("a prompt must be a string or a list of token ids") from None
         if not ids:
             raise ValueError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        if len(ids) > self.model_cfg.max_position_embeddings:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of "
-                             f"{self.model_cfg.max_position_embeddings}")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
         return ids
 
-    def _run(self, seqs: list[list[int]], slots: list[int], all_rows: bool) -> list[np.ndarray]:
-        """Dense forward of whole sequences -> logits per sequence (all rows or the last)."""
-        order = sorted(range(len(seqs)), key=lambda i: slots[i])  # tokens grouped by slot
-        total = sum(len(s) for s in seqs)
-        t = _bucket(total)
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        segments = np.full(t, -1, np.int32)
-        group_sizes = np.zeros(self.config.max_loras, np.int32)
-        spans, off = {}, 0
-        for i in order:
-            n = len(seqs[i])
-            tokens[off:off + n] = seqs[i]
-            positions[off:off + n] = np.arange(n)
-            segments[off:off + n] = i
-            group_sizes[slots[i]] += n
-            spans[i] = (off, n)
-            off += n
-        rows = (np.arange(t) if all_rows
-                else np.array([spans[i][0] + spans[i][1] - 1 for i in range(len(seqs))]
-                              + [0] * (_bucket(len(seqs), 1) - len(seqs))))
-        logits = np.asarray(self._forward(self._graphdef, self._state, tokens, positions, segments,
-                                          group_sizes, rows.astype(np.int32)))
-        if all_rows:
-            return [logits[spans[i][0]:spans[i][0] + spans[i][1]] for i in range(len(seqs))]
-        return [logits[i] for i in range(len(seqs))]
-
-    def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
-                 seed=0) -> list[list[int]]:
-        validate_sampling(temperature, top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 0")
-        seqs = [self._prompt_ids(p) for p in prompts]
-        if adapters is None or isinstance(adapters, str):
-            adapters = [adapters] * len(seqs)
-        if len(adapters) != len(seqs):
-            raise ValueError(f"{len(adapters)} adapters for {len(seqs)} prompts")
-        slots = [self.slots.slot_of(a) for a in adapters]
-        self._stats["prompt_tokens"] += sum(len(s) for s in seqs)
-        eos = set(self.model_cfg.eos_token_ids)
-        rngs = [np.random.default_rng([seed, i]) for i in range(len(seqs))]
-        out: list[list[int]] = [[] for _ in seqs]
-        live = [i for i in range(len(seqs)) if max_new_tokens > 0]
-        while live:
-            logits = self._run([seqs[i] + out[i] for i in live], [slots[i] for i in live], False)
-            self._stats["decode_steps"] += 1
-            self._stats["decode_seqs"] += len(live)
-            for i, row in zip(live, logits):
-                out[i].append(sample(row, temperature, top_p, rngs[i]))
-            live = [i for i in live if len(out[i]) < max_new_tokens and out[i][-1] not in eos
-                    and len(seqs[i]) + len(out[i]) < self.model_cfg.max_position_embeddings]
-        return out
-
-    def score(self, prompt_ids, adapter=None) -> np.ndarray:
-        """[len(prompt), vocab] float32 logits of every prompt position."""
-        ids = self._prompt_ids(prompt_ids)
-        self._stats["prompt_tokens"] += len(ids)
-        return self._run([ids], [self.slots.slot_of(adapter)], True)[0]
-
     def stats(self) -> dict:
-        s = self._stats
-        return {
-            "base_pages_total": 0, "base_pages_used": 0,
-            "residual_pages_total": 0, "residual_pages_used": 0,
-            "base_bytes_used": 0, "residual_bytes_used": 0,
-            "prompt_tokens": s["prompt_tokens"], "base_hit_tokens": 0, "residual_hit_tokens": 0,
-            "decode_batch_size_mean": s["decode_seqs"] / s["decode_steps"] if s["decode_steps"] else 0.0,
-        }
+        s = self.cache.stats()
+        names = {a.content_hash: n for n, (_, a) in self.slots.by_name.items()}
+        s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}
+        s["decode_batch_size_mean"] = self._decode_seqs / self._decode_steps if self._decode_steps else 0.0
+        s["running"] = len(self.scheduler.running)
+        s["waiting"] = len(self.scheduler.waiting)
+        s["preemptions"] = self.scheduler.num_preemptions
+        return s
 
 
-def _read_adapters(adapters, model_cfg) -> list[LoraAdapter]:
-    out = []
-    for name, src in adapters.items():
-        if isinstance(src, LoraAdapter):
-            out.append(src if src.name == name else LoraAdapter(name, src.rank, src.scaling, src.weights, src.source))
-        else:
-            out.append(load_peft_adapter(name, os.fspath(src), model_cfg))
-    return out
+def _default_kv_bytes(on_gpu: bool) -> int:
+    if not on_gpu:
+        return DEFAULT_CPU_KV_BYTES
+    mem = jax.devices()[0].memory_stats() or {}
+    free = mem.get("bytes_limit", 0) - mem.get("bytes_in_use", 0)
+    return max(int(free * 0.8), DEFAULT_CPU_KV_BYTES)
 
 
-def _rank_cap(adapters: list[LoraAdapter], max_lora_rank):
-    """R of the stacked slots: max_lora_rank, else the largest initial rank (at least 1)."""
-    need = max((a.rank for a in adapters), default=1)
-    if max_lora_rank is not None and need > max_lora_rank:
-        raise ValueError(f"adapter rank {need} exceeds max_lora_rank={max_lora_rank}")
-    return max_lora_rank or need
+def _check_lrshared(adapters: list[LoraAdapter]):
+    check_shared_lora_a({a.name: {f"layers.{layer}.{m}": w[0] for (layer, m), w in a.weights.items()}
+                         for a in adapters})

@@ -1,29 +1,45 @@
-"""Token sampling on the host: greedy, temperature, top-p, per-request seeded generators."""
+"""Token sampling inside the jitted step: greedy, temperature, top-k, top-p, per-request seeds.
+
+A request's random key is `fold_in(key(seed), n)` for its n-th generated token, so what it samples
+does not depend on which other requests share its batch.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 
 
-def validate_sampling(temperature: float, top_p: float):
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature={temperature!r}: expected a number >= 0")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p={top_p!r}: expected a number in (0, 1]")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32 in (0, 1]
+    top_k: jax.Array  # [B] int32, 0 = off
+    seed: jax.Array  # [B] uint32
+    step: jax.Array  # [B] int32 tokens generated so far by the request
 
 
-def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """logits [vocab] float32 -> one token id. temperature 0 is greedy (ties: lowest id)."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest set reaching top_p
-        mask = np.zeros_like(p)
-        mask[keep] = p[keep]
-        p = mask / mask.sum()
-    return int(rng.choice(p.shape[0], p=p))
+def sample(logits, s: SamplingArrays):
+    """logits [B, V] float32 -> [B] int32 token ids."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(s.temperature > 0), lambda: _sample(logits, s, greedy), lambda: greedy)
+
+
+def _sample(logits, s: SamplingArrays, greedy):
+    v = logits.shape[-1]
+    z = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    order = jnp.argsort(-z, axis=-1)  # [B, V] descending
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    probs = jax.nn.softmax(zs, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    # Smallest prefix whose mass reaches top_p (the first token always stays), then top_k.
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p[:, None]
+    keep &= (s.top_k[:, None] == 0) | (rank < s.top_k[:, None])
+    zs = jnp.where(keep, zs, -jnp.inf)
+    keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, s.step)
+    pick = jax.vmap(jax.random.categorical)(keys, zs)  # index into the sorted order
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(s.temperature > 0, sampled, greedy)

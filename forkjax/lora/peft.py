@@ -9,7 +9,7 @@ running it without its effect would silently change the model.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import functools
 import json
 import math
 import os
@@ -18,6 +18,7 @@ import re
 import numpy as np
 from safetensors import safe_open
 
+from forkjax.cache.adapters import adapter_fingerprint
 from forkjax.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,20 +40,12 @@ class LoraAdapter:
     def targets(self) -> frozenset[str]:
         return frozenset(m for _, m in self.weights)
 
-    @property
+    @functools.cached_property
     def content_hash(self) -> str:
         """Identity of the adapter's function: same weights -> same hash, whatever its name."""
-        return _hash_weights(self.weights)
-
-
-def _hash_weights(weights) -> str:
-    h = hashlib.sha256()
-    for key in sorted(weights):
-        a, b = weights[key]
-        h.update(repr(key).encode())
-        h.update(np.ascontiguousarray(a, np.float32).tobytes())
-        h.update(np.ascontiguousarray(b, np.float32).tobytes())
-    return h.hexdigest()
+        return adapter_fingerprint({f"{layer}.{module}.{ab}": w
+                                    for (layer, module), pair in self.weights.items()
+                                    for ab, w in zip("AB", pair)})
 
 
 def _config_error(path, field, value, why):

@@ -33,8 +33,8 @@ class ForwardBatch:
 
 
 # attn_fn(layer, q [T,Hq,D] roped, k=(base [T,Hkv,D] roped, res [T,R]), v=(base, res),
-#         b_k [N,R,Hkv*D], b_v [N,R,Hkv*D], rope=(cos, sin) [T,D], batch, layer_state)
-#   -> (out [T, Hq, D], layer_state)
+#         b_k [N,R,Hkv*D], b_v [N,R,Hkv*D], rope=(cos, sin) [T,D], batch, kv_state)
+#   -> (out [T, Hq, D], kv_state)
 AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -106,18 +106,17 @@ class CausalLM(nnx.Module):
                  output_hidden_states: bool = False):
         """tokens [T] int32 -> (final normed hidden [T, d], kv_state, per-layer hidden list).
 
-        `kv_state` is a list with one entry per layer (or None): each layer's cache, threaded
-        through `attn_fn` so the caller can donate it.
+        `kv_state` (the paged pools, or None) is threaded through `attn_fn` layer after layer, so
+        the caller can donate it at the jit boundary and every write stays in place.
         """
         x = self.embed_tokens[...][tokens]
         rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype)
-        states = list(kv_state) if kv_state is not None else [None] * len(self.layers)
         hidden = [x] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
-            x, states[i] = layer(i, x, rope, batch, attn_fn, states[i])
+            x, kv_state = layer(i, x, rope, batch, attn_fn, kv_state)
             if output_hidden_states:
                 hidden.append(x)
-        return self.norm(x), states, hidden
+        return self.norm(x), kv_state, hidden
 
     def logits(self, h):
         """h [T, d] -> [T, vocab] float32."""

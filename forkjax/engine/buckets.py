@@ -1,0 +1,43 @@
+"""The static shapes the ModelRunner compiles: every batch is padded up to one of them.
+
+Decode: batch sizes 1, 2, 4, ... up to max_batch_size (the hot path: little padding).
+Extend: chunk tokens C in 16, 64, 256, ... and requests B in 1, 4, 16, ... with B·C within
+max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs.
+"""
+
+from __future__ import annotations
+
+MIN_CHUNK = 16
+
+
+def _ladder(cap: int, start: int, factor: int) -> list[int]:
+    out, v = [], start
+    while v < cap:
+        out.append(v)
+        v *= factor
+    return out + [cap]
+
+
+class Buckets:
+    def __init__(self, max_batch_size: int, max_prefill_tokens: int):
+        if max_prefill_tokens < MIN_CHUNK:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= {MIN_CHUNK}")
+        self.decode_sizes = _ladder(max_batch_size, 1, 2)
+        self.chunk_sizes = _ladder(max_prefill_tokens, MIN_CHUNK, 4)
+        self.extend_sizes = {c: _ladder(max(1, min(max_batch_size, max_prefill_tokens // c)), 1, 4)
+                             for c in self.chunk_sizes}
+
+    def decode(self, n: int) -> int:
+        return next(b for b in self.decode_sizes if b >= n)
+
+    def extend(self, n: int, max_chunk: int) -> tuple[int, int] | None:
+        """(B, C) for n requests whose longest chunk is max_chunk, or None if none fits."""
+        c = next((c for c in self.chunk_sizes if c >= max_chunk), None)
+        if c is None:
+            return None
+        b = next((b for b in self.extend_sizes[c] if b >= n), None)
+        return None if b is None else (b, c)
+
+    def all(self) -> list[tuple[str, int, int]]:
+        return ([("decode", b, 1) for b in self.decode_sizes]
+                + [("extend", b, c) for c in self.chunk_sizes for b in self.extend_sizes[c]])

@@ -1,0 +1,57 @@
+"""Resolve `Engine.from_pretrained`'s model and adapters: a built-in name or a checkpoint dir."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from forkjax.config import EngineConfig, ModelConfig
+from forkjax.lora.peft import LoraAdapter, load_peft_adapter
+from forkjax.models.builtin import BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin
+from forkjax.models.loader import load_checkpoint
+from forkjax.tokenizer import ByteTokenizer, load_tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
+    """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter])."""
+    dtype = DTYPES[cfg.dtype]
+    if isinstance(model, str) and model in BUILTIN_CONFIGS:
+        model_cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[model])
+        if adapters is None and model in TINY_MODELS:
+            adapters = demo_adapters(model_cfg)
+        loaded = read_adapters(adapters or {}, model_cfg)
+        _, net = load_builtin(model, num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank),
+                              dtype=dtype, seed=seed)
+        return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        path = os.fspath(model)
+        model_cfg = ModelConfig.from_hf(path)
+        loaded = read_adapters(adapters or {}, model_cfg)
+        _, net = load_checkpoint(path, num_slots=cfg.max_loras,
+                                 rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype)
+        return model_cfg, net, load_tokenizer(path), loaded
+    raise ValueError(f"model={model!r}: not a checkpoint directory nor a built-in model "
+                     f"({', '.join(BUILTIN_CONFIGS)})")
+
+
+def read_adapters(adapters, model_cfg: ModelConfig) -> list[LoraAdapter]:
+    """{name: PEFT dir | LoraAdapter} -> validated adapters named by their key."""
+    out = []
+    for name, src in adapters.items():
+        if isinstance(src, LoraAdapter):
+            out.append(src if src.name == name else LoraAdapter(name, src.rank, src.scaling, src.weights, src.source))
+        else:
+            out.append(load_peft_adapter(name, os.fspath(src), model_cfg))
+    return out
+
+
+def _rank_cap(adapters: list[LoraAdapter], max_lora_rank) -> int:
+    """R of the stacked slots: max_lora_rank, else the largest initial rank and at least 16
+    (vLLM's default), so adapters loaded later fit."""
+    need = max((a.rank for a in adapters), default=1)
+    if max_lora_rank is not None and need > max_lora_rank:
+        raise ValueError(f"adapter rank {need} exceeds max_lora_rank={max_lora_rank}")
+    return max_lora_rank or max(need, 16)

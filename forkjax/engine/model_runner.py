@@ -1,0 +1,151 @@
+"""ModelRunner: the one jit boundary. Parameters are split once; the KV pools are donated state.
+
+Shapes are bucketed (buckets.py) so a fixed set of programs serves every batch and is compiled
+at start; page tables always span `max_model_len` (the kernels stop at each request's length, so
+the width costs one int32 row per request, not compute).
+Anything compiled after warm-up logs a warning: it means a shape escaped the buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
+from forkjax.engine.buckets import Buckets
+from forkjax.engine.paged_attention import PagedMeta, paged_attention
+from forkjax.engine.sampler import SamplingArrays, sample
+from forkjax.engine.scheduler import ScheduledBatch
+from forkjax.models.transformer import ForwardBatch
+
+log = logging.getLogger("forkjax")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    tokens: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
+    meta: PagedMeta
+    sample_rows: jax.Array  # [B] int32 row of each request's last token
+    copies: tuple  # (base_src, base_dst, res_src, res_dst) each [C] int32, copy-on-write
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2,
+                   static_argnames=("kind", "all_logits", "residual", "use_pallas"))
+def _step(graphdef, state, pools, inputs: StepInputs, sampling: SamplingArrays, *, kind: str,
+          all_logits: bool, residual: bool, use_pallas: bool):
+    """One forward of a bucketed batch; the pools are donated and come back updated."""
+    model = nnx.merge(graphdef, state)
+    pools = copy_pages(pools, *inputs.copies)  # before this step writes into the copies
+    batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
+    attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
+                             inv_freq=model.inv_freq[...], precision=model.precision)
+    h, pools, _ = model(inputs.tokens, batch, attn, pools)
+    if all_logits:
+        return model.logits(h), pools
+    return sample(model.logits(h[inputs.sample_rows]), sampling), pools
+
+
+class ModelRunner:
+    def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
+                 max_model_len: int, use_pallas: bool):
+        self.layout = layout
+        self.buckets = buckets
+        self.num_slots = num_slots
+        self.max_pages = -(-max_model_len // layout.page_size)
+        self.residual = layout.policy.uses_residual
+        self.use_pallas = use_pallas
+        self.set_model(model)
+        self.pools = layout.allocate()
+        self._compiled: set = set()
+        self.warm = False
+
+    def set_model(self, model):
+        """(Re)split parameters after adapter slots changed; shapes never change."""
+        self.graphdef, self.state = nnx.split(model)
+
+    def warmup(self, progress: bool = True):
+        """Compile every bucket now, so serving never stalls on the compiler."""
+        for kind, b, c in tqdm(self.buckets.all(), desc="compiling", disable=not progress, unit="shape"):
+            inputs, sampling = self._dummy(b, c)
+            tokens, self.pools = self._call(kind, False, inputs, sampling, (kind, b, c, False))
+            jax.block_until_ready(tokens)
+        self.warm = True
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def run(self, batch: ScheduledBatch, all_logits: bool = False):
+        """Run one scheduled batch -> sampled tokens [n] (or logits [rows, vocab] per request)."""
+        n = len(batch.seqs)
+        if batch.kind == "decode":
+            b, c = self.buckets.decode(n), 1
+        else:
+            b, c = self.buckets.extend(n, max(e - s for s, e in batch.chunks))
+        inputs, sampling = self._inputs(batch, b, c)
+        out, self.pools = self._call(batch.kind, all_logits, inputs, sampling,
+                                     (batch.kind, b, c, all_logits))
+        out = np.asarray(out)
+        if all_logits:
+            return [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
+        return out[:n]
+
+    def _call(self, kind, all_logits, inputs, sampling, key):
+        if key not in self._compiled:
+            if self.warm:
+                log.warning("forkjax: compiling a new shape after warm-up: %s", key)
+            self._compiled.add(key)
+        return _step(self.graphdef, self.state, self.pools, inputs, sampling, kind=kind,
+                          all_logits=all_logits, residual=self.residual, use_pallas=self.use_pallas)
+
+    def _inputs(self, batch: ScheduledBatch, b: int, c: int):
+        t = b * c
+        tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+        base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
+        base_pt, res_pt = np.zeros((b, self.max_pages), np.int32), np.zeros((b, self.max_pages), np.int32)
+        prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        group_sizes = np.zeros(self.num_slots, np.int32)
+        rows = np.zeros(b, np.int32)
+        samp = _sampling_arrays(batch.seqs, b)
+        for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
+            r = slice(i * c, i * c + e - s)
+            tokens[r] = seq.tokens[s:e]
+            positions[r] = np.arange(s, e)
+            base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
+            bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
+            base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
+            prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot
+            group_sizes[seq.slot] += c  # a request's padding rows ride in its own group
+            rows[i] = i * c + e - s - 1
+        # Copy-on-write pairs padded with sink-to-sink no-ops to a fixed size (at most one pair
+        # per request and pool per step, so b covers them; more only after a preemption storm).
+        size = max(b, len(batch.base_copies), len(batch.res_copies))
+        copies = (*copy_index_arrays(batch.base_copies, size), *copy_index_arrays(batch.res_copies, size))
+        meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter)
+        return StepInputs(tokens, positions, group_sizes, meta, rows, copies), samp
+
+    def _dummy(self, b: int, c: int):
+        t = b * c
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        meta = PagedMeta(z(t), z(t), z(b, self.max_pages), z(b, self.max_pages), z(b),
+                         np.full(b, c, np.int32), z(b))
+        copies = (z(b), z(b), z(b), z(b))
+        return StepInputs(z(t), z(t), z(self.num_slots), meta, z(b), copies), _sampling_arrays([], b)
+
+
+def _sampling_arrays(seqs, b) -> SamplingArrays:
+    temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    top_k, seed, step = np.zeros(b, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output)
+    return SamplingArrays(temp, top_p, top_k, seed, step)

@@ -1,0 +1,76 @@
+"""The paged attention backend the model calls inside the jitted step.
+
+Per layer: scatter the step's new K/V into the pools (only slots the cache marked as misses; the
+rest go to the sink page), then attend over the pools through the page tables, so attention
+always reads K/V from the cache after the write. Residual policies store (xW, xA) apart and
+attend with ResidualAttention; `prefix` / `full_reuse` store merged K/V and attend with the
+unified kernel. On the CPU the plain-jnp references stand in for the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from forkjax import pallas_kernels as pk
+from forkjax.cache import write_kv
+from forkjax.models.attention import merge_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedMeta:
+    base_slots: jax.Array  # [T] int32 flat write slot (page·S + offset), 0 = do not write
+    res_slots: jax.Array  # [T] int32
+    base_pages: jax.Array  # [B, M] int32 page tables
+    res_pages: jax.Array  # [B, M] int32
+    prefix_lengths: jax.Array  # [B] int32 tokens before this step's chunk
+    chunk_lengths: jax.Array  # [B] int32 tokens in the chunk (1 in decode)
+    adapter_ids: jax.Array  # [B] int32 LoRA slot of each request
+
+
+def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, residual: bool,
+                    inv_freq, use_pallas: bool, precision=None):
+    """q [T, Hq, D] (RoPE applied; T = B in decode, B·C in extend) -> ([T, Hq, D], pools)."""
+    m = batch.attn
+    t, hq, hd = q.shape
+    hkv = k[0].shape[1]
+    if residual:
+        (kb, kr), (vb, vr) = k, v
+        pools = write_kv(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
+    else:
+        keys, values = merge_kv(k, v, b_k, b_v, rope, batch.group_sizes, precision)
+        pools = write_kv(pools, layer, m.base_slots, m.res_slots, keys, values)
+    n, r = b_k.shape[:2]
+    b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
+    nb = m.prefix_lengths.shape[0]
+    ops = _KERNELS if use_pallas else _REFERENCES
+    extra = {"interpret": False} if use_pallas else {}
+    if kind == "decode":
+        lengths = m.prefix_lengths + 1
+        if residual:
+            out = ops["res_decode"](q, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
+                                    m.base_pages, m.res_pages, lengths, b_k4, b_v4,
+                                    m.adapter_ids, inv_freq, layer=layer, **extra)
+        else:
+            out = ops["uni_decode"](q, pools.base_k, pools.base_v, m.base_pages, lengths,
+                                    layer=layer, **extra)
+        return out, pools
+    q4 = q.reshape(nb, t // nb, hq, hd)
+    if residual:
+        out = ops["res_extend"](q4, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
+                                m.base_pages, m.res_pages, m.prefix_lengths, m.chunk_lengths,
+                                b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer, **extra)
+    else:
+        out = ops["uni_extend"](q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths,
+                                m.chunk_lengths, layer=layer, **extra)
+    return out.reshape(t, hq, hd), pools
+
+
+_KERNELS = dict(res_decode=pk.residual_attention_decode, res_extend=pk.residual_attention_extend,
+                uni_decode=pk.unified_attention_decode, uni_extend=pk.unified_attention_extend)
+_REFERENCES = dict(res_decode=pk.residual_attention_decode_reference,
+                   res_extend=pk.residual_attention_extend_reference,
+                   uni_decode=pk.unified_attention_decode_reference,
+                   uni_extend=pk.unified_attention_extend_reference)

@@ -1,0 +1,75 @@
+"""One request's state as the scheduler moves it: waiting -> prefilling -> decoding -> finished."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+
+import numpy as np
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
+                or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected an int >= 0")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an int >= 0")
+
+
+class Sequence:
+    def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
+                 params: SamplingParams, score: bool = False):
+        self.id = next(_ids)
+        self.prompt = list(prompt)
+        self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
+        self.params = params
+        self.score = score  # compute every prompt position and keep its logits
+        self.output: list[int] = []
+        self.status = Status.WAITING
+        self.cache = None  # SeqCache while running
+        self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
+        self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
+        # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
+        self.pending_copies: tuple[list, list] = ([], [])
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Tokens are still missing from the cache before the next decode step."""
+        return self.num_computed < len(self) - 1 or (self.score and self.num_computed < len(self))
+
+    def finish(self, reason: str, error: Exception | None = None):
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error

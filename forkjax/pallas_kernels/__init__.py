@@ -1,0 +1,36 @@
+"""Pallas GPU attention kernels over paged KV caches (interpret=True runs them on the CPU).
+
+* `residual_attention_decode` / `residual_attention_extend`: ResidualAttention (ForkKV Alg. 1)
+  over a shared base pool (bCache) and a per-agent residual pool (rCache): `forkkv`, `lrshared`.
+* `unified_attention_decode` / `unified_attention_extend`: plain paged attention over a merged
+  pool: `prefix`, `full_reuse`.
+* `*_reference`: dense plain-jnp versions of the same contracts (tests, CPU engine).
+
+All take head-major base pools `[Hkv, P, S, D]` (or `[L, Hkv, P, S, D]` plus `layer=`, which
+avoids slicing a layer out of the pool, a copy in XLA). For zero-copy calls make D and the
+residual rank R powers of two >= 16 (pad R with zero columns of A / zero rows of B).
+"""
+
+from forkjax.pallas_kernels.residual_attention import (
+    residual_attention_decode,
+    residual_attention_decode_reference,
+    residual_attention_extend,
+    residual_attention_extend_reference,
+    unified_attention_decode,
+    unified_attention_decode_reference,
+    unified_attention_extend,
+    unified_attention_extend_reference,
+)
+from forkjax.pallas_kernels.rope import rope_cos_sin
+
+__all__ = [
+    "residual_attention_decode",
+    "residual_attention_decode_reference",
+    "residual_attention_extend",
+    "residual_attention_extend_reference",
+    "unified_attention_decode",
+    "unified_attention_decode_reference",
+    "unified_attention_extend",
+    "unified_attention_extend_reference",
+    "rope_cos_sin",
+]

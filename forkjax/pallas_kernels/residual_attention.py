@@ -1,0 +1,731 @@
+"""ResidualAttention (ForkKV Algorithm 1) and plain paged attention as one Pallas Triton kernel.
+
+Layout: kernel -> pallas_call wrapper -> public jitted functions -> plain-jnp `*_reference`s.
+
+One kernel serves decode and extend (prefill), with or without the residual (LoRA) part of K/V.
+A program owns (KV head h, block of `block_q` query tokens, KV split, request b). Its query rows
+are the `block_q x Gp` (token-major, head-minor) query heads of that KV head's group, so every
+K/V tile it loads is shared by the whole GQA group. It walks the request's page table in blocks
+of `block_k` tokens (whole pages) and keeps an online softmax.
+
+Residual reconstruction (the `residual=True` path), per block of keys at positions p0 + i:
+
+    K_t = bK_t + RoPE_t(rK_t @ B_k)               # what we must attend to
+    q . RoPE_{p0+i}(y) = RoPE_{-p0}(q) . RoPE_i(y)  # rotations compose; RoPE is orthogonal
+
+so the block-start rotation goes on the query side (rows x D, tiny) and only the in-block offset
+rotation RoPE_i, from a loop-invariant table, touches the keys. Rotate-half is applied in halves:
+y1 = rK @ B_k[:, :D/2], y2 = rK @ B_k[:, D/2:], z = (y1 c - y2 s, y2 c + y1 s), so every tile
+and table is D/2 wide and nothing is computed twice. Scores are q @ bK^T + q_rot1 @ z1^T +
+q_rot2 @ z2^T; no sin/cos is evaluated in the loop (`reconstruct_k=True` instead rotates the
+key side by the absolute angle, by angle addition: cheaper when the query block is tall).
+Values use associativity: acc += p @ bV and acc_r += p @ rV, both rescaled by the same
+online-softmax factor, and B_v is applied once, after the loop: the kernel writes acc and acc_r
+(r wide) and the split combine computes (acc + acc_r @ B_v) / l. (Doing that small dot inside
+the kernel raised its register count to the limit and cost a third of its occupancy.)
+
+`swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
+the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
+(64-128 instead of the 16 query rows), the reconstructed tile feeds the MMA from registers as its
+A operand and P stays in its score layout. Defaults for block sizes are the fastest of the H200
+sweeps recorded in BENCHMARKS.md.
+
+Split-K (flash-decoding): each program writes an unnormalised partial (o, m, l [, acc_r]) for
+its slice of the sequence and a small jnp step combines them (`acc_r` combines like `o`: the
+B_v product is linear). Without the residual and with one split the kernel normalises itself.
+
+Extend layout (chosen for a padded batch of prefill chunks): q [B, T, Hq, D] padded per request;
+request b has `prefix_lengths[b]` cached tokens before the chunk and `chunk_lengths[b]` new
+tokens; new token t sits at position prefix_lengths[b] + t and attends causally to positions
+0 .. prefix_lengths[b] + t. K/V of the new tokens are read from the pools: the engine writes them
+before calling. Rows t >= chunk_lengths[b] of the output are zero. A long prompt is prefilled
+chunk after chunk by raising prefix_lengths.
+
+Page tables: entries past a sequence's last page must still be valid page ids (0, the padding
+sink, is fine): whole blocks of pages are loaded and masked afterwards. Unused slots may hold
+anything, NaN included: scores are masked with `where` and the V rows of invalid slots zeroed.
+
+Fast path: D and R powers of two >= 16 (pools are used in place). Other sizes work through
+zero padding, which copies the pools on every call (tests, odd parity models only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+LOG2E = math.log2(math.e)
+# Programs the default split heuristic aims for (132 SMs on the H200, several programs each).
+_TARGET_PROGRAMS = 1024
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _attention_kernel(
+    q_ref,  # [rows, Dp]            query rows (token-major, head-minor), RoPE applied
+    q1_ref,  # [rows, Hp]           first rotate-half half of q (residual only)
+    q2_ref,  # [rows, Hp]           second half
+    kb_ref,  # [P, S, Dp] or [L, P, S, Dp]  base keys of this KV head
+    vb_ref,  # same                 base values
+    kr_ref,  # [Pr, S, Rp] or [L, Pr, S, Rp]  residual key activations (residual only)
+    vr_ref,  # same                 residual value activations (residual only)
+    bpt_ref,  # [Mp] int32          base page table of this request
+    rpt_ref,  # [Mp] int32          residual page table (residual only)
+    prefix_ref,  # [] int32         cached tokens before the query block's chunk
+    chunk_ref,  # [] int32          new tokens of the chunk
+    layer_ref,  # [] int32          layer index into layered pools (or None)
+    bk1_ref,  # [Rp, Hp]            B_k columns of the first half, this adapter and KV head
+    bk2_ref,  # [Rp, Hp]            B_k columns of the second half
+    blkc_ref,  # [NB, Hp] f32       cos at each block start position
+    blks_ref,  # [NB, Hp] f32       sin at each block start position
+    offc_ref,  # [block_k, Hp]      cos of the in-block offsets (pool dtype: fewer registers)
+    offs_ref,  # [block_k, Hp]      sin of the in-block offsets
+    *out_refs,  # o [rows, Dp] normalised, or unnormalised o, m [rows], l [rows] (+ o_r [rows, Rp])
+    block_q: int,
+    gp: int,
+    block_k: int,
+    page_size: int,
+    split_len: int,
+    scale: float,
+    residual: bool,
+    normalize: bool,
+    rope_in_loop: bool,
+    reconstruct_k: bool,
+    swap_ab: bool,
+    skip_k_lora: bool = False,  # benchmarking only: drop the K reconstruction (wrong output)
+):
+    qb, ks = pl.program_id(1), pl.program_id(2)
+    rows, dp = q_ref.shape
+    ppb = block_k // page_size
+    dt = q_ref.dtype
+    f32 = jnp.float32
+    prec = lax.Precision.HIGHEST if dt == f32 else None
+    dot = functools.partial(plgpu.dot, precision=prec)
+
+    prefix = prefix_ref[()]
+    total = prefix + chunk_ref[()]
+    q0 = prefix + qb * block_q  # position of the block's first query token
+    kv_end = jnp.minimum(q0 + block_q, total)  # no row sees a key at or past this
+    full_end = jnp.minimum(q0 + 1, total)  # every row sees every key below this
+    split_lo = ks * split_len
+    kb_lo = split_lo // block_k
+    kb_hi = pl.cdiv(jnp.minimum(split_lo + split_len, kv_end), block_k)
+    kb_full = jnp.maximum(kb_lo, jnp.minimum(full_end // block_k, kb_hi))
+
+    # Orientation: scores as [rows, keys] or, with swap_ab, [keys, rows] (keys on the M side of
+    # every MMA: better tiles for the 16-row decode block, and the reconstructed tile enters
+    # the MMA as its A operand straight from registers).
+    sshape = (block_k, rows) if swap_ab else (rows, block_k)
+    kax, rax = (0, 1) if swap_ab else (1, 0)
+    q = q_ref[...]
+    q_op = q.T if swap_ab else q
+
+    def score(a_keys, b_rows):  # keys tile [block_k, X], rows tile [rows, X] or [X, rows]
+        return dot(a_keys, b_rows) if swap_ab else dot(b_rows, a_keys, trans_b=True)
+
+    def rows_t(x):  # a [rows, X] value in the orientation `score` wants
+        return x.T if swap_ab else x
+
+    if residual:
+        rp = bk1_ref.shape[0]
+        q1 = q1_ref[...].astype(f32)
+        q2 = q2_ref[...].astype(f32)
+        bk1, bk2 = bk1_ref[...], bk2_ref[...]
+        if reconstruct_k:
+            q1_op, q2_op = rows_t(q1.astype(dt)), rows_t(q2.astype(dt))
+        if not rope_in_loop:  # loop-invariant, kept in the pool dtype (registers)
+            offc_inv, offs_inv = offc_ref[...], offs_ref[...]
+    q_idx = q0 + lax.div(lax.broadcasted_iota(jnp.int32, sshape, rax), gp)
+    kv_iota = lax.broadcasted_iota(jnp.int32, sshape, kax)
+    kv_iota_col = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+
+    if layer_ref is not None:
+        lyr = layer_ref[()]
+        load_pages = lambda ref, ids: ref[lyr, ids]  # noqa: E731
+    else:
+        load_pages = lambda ref, ids: ref[ids]  # noqa: E731
+
+    def lora_scores(kb, rk):
+        """q . RoPE_t(rK_t @ B_k) for the block's keys, in the chosen orientation.
+
+        rotate-half in halves: RoPE(y) = (y1 c - y2 s, y2 c + y1 s), so each half of y is
+        computed once ([block_k, D/2] tiles, half-width tables) instead of y and rotate(y).
+        """
+        y1 = dot(rk, bk1)  # [block_k, Hp] f32
+        y2 = dot(rk, bk2)
+        if rope_in_loop:
+            oc, os_ = offc_ref[...].astype(f32), offs_ref[...].astype(f32)
+        else:
+            oc, os_ = offc_inv.astype(f32), offs_inv.astype(f32)
+        c0 = blkc_ref[pl.ds(kb, 1), :]  # [1, Hp] f32, position kb * block_k
+        s0 = blks_ref[pl.ds(kb, 1), :]
+        if reconstruct_k:  # absolute angles on the key side (angle addition)
+            cos = c0 * oc - s0 * os_
+            sin = s0 * oc + c0 * os_
+            z1 = (y1 * cos - y2 * sin).astype(dt)
+            z2 = (y2 * cos + y1 * sin).astype(dt)
+            return score(z1, q1_op) + score(z2, q2_op)
+        # In-block offset on the key side, block start on the query side: RoPE_{-p0}(q).
+        z1 = (y1 * oc - y2 * os_).astype(dt)
+        z2 = (y2 * oc + y1 * os_).astype(dt)
+        qr1 = (q1 * c0 + q2 * s0).astype(dt)
+        qr2 = (q2 * c0 - q1 * s0).astype(dt)
+        return score(z1, rows_t(qr1)) + score(z2, rows_t(qr2))
+
+    def pv(p, v):  # p in score orientation, v [block_k, X] -> [rows, X] ([X, rows] if swap_ab)
+        return dot(v, p, trans_a=True) if swap_ab else dot(p, v)
+
+    def rescale(alpha, acc):
+        return alpha[None, :] * acc if swap_ab else alpha[:, None] * acc
+
+    def body(kb, carry, masked):
+        o, o_r, m, l = carry
+        pages = pl.ds(kb * ppb, ppb)
+        ids = bpt_ref[pages]
+        k = load_pages(kb_ref, ids).reshape(block_k, dp)
+        s = score(k, q_op)
+        if residual:
+            rids = rpt_ref[pages]
+            if not skip_k_lora:
+                rk = load_pages(kr_ref, rids).reshape(block_k, rp)
+                s = s + lora_scores(kb, rk)
+        s = s * scale
+        if masked:
+            kv = kb * block_k + kv_iota
+            vis = (kv <= q_idx) & (kv < total)
+            s = jnp.where(vis, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=kax))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - (m_new[None, :] if swap_ab else m_new[:, None]))
+        if masked:
+            p = jnp.where(vis, p, 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=kax)
+        pd = p.astype(dt)
+        v = load_pages(vb_ref, ids).reshape(block_k, dp)
+        if masked:
+            kv_ok = kb * block_k + kv_iota_col < total  # [block_k, 1]
+            v = jnp.where(kv_ok, v, jnp.zeros_like(v))  # NaN in unused slots: 0 * NaN = NaN
+        o_new = rescale(alpha, o) + pv(pd, v)
+        if residual:  # acc_r: same rescale as acc; B_v waits for the end
+            rv = load_pages(vr_ref, rids).reshape(block_k, rp)
+            if masked:
+                rv = jnp.where(kv_ok, rv, jnp.zeros_like(rv))
+            o_r = rescale(alpha, o_r) + pv(pd, rv)
+        return o_new, o_r, m_new, l_new
+
+    # Accumulators are [X, rows] under swap_ab: V^T @ P keeps P in its score layout (the MMA's
+    # B operand) and puts the 128-wide head dim on the M side.
+    acc_shape = (lambda x: (x, rows)) if swap_ab else (lambda x: (rows, x))
+    o = jnp.zeros(acc_shape(dp), f32)
+    o_r = jnp.zeros(acc_shape(rp), f32) if residual else None
+    m = jnp.full((rows,), MASK_VALUE, f32)
+    l = jnp.zeros((rows,), f32)
+    carry = (o, o_r, m, l)
+    carry = lax.fori_loop(kb_lo, kb_full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(kb_full, kb_hi, functools.partial(body, masked=True), carry)
+    o, o_r, m, l = carry
+    if swap_ab:
+        o = o.T
+        o_r = o_r.T if residual else None
+    if normalize:
+        (o_ref,) = out_refs
+        o = o / jnp.where(l > 0, l, 1.0)[:, None]
+        o_ref[...] = o.astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs[:3]
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+        if residual:  # B_v waits for the combine, after the loop (associativity)
+            out_refs[3][...] = o_r
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_axis(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _default_splits(n_parallel: int, n_blocks: int) -> int:
+    want = max(1, -(-_TARGET_PROGRAMS // n_parallel))
+    return max(1, min(_next_pow2(want), n_blocks))
+
+
+def _paged_attention(
+    q,  # [B, T, Hq, D]
+    k_base,  # [Hkv, P, S, D] or [L, Hkv, P, S, D]
+    v_base,
+    base_pages,  # [B, M] int32
+    prefix_lengths,  # [B] int32
+    chunk_lengths,  # [B] int32
+    res,  # None or (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq)
+    layer,  # None or int32 scalar
+    *,
+    sm_scale,
+    block_q,
+    block_k,
+    k_splits,
+    num_warps,
+    num_stages,
+    interpret,
+    rope_in_loop=False,
+    reconstruct_k=None,
+    swap_ab=None,
+    skip_k_lora=False,
+):
+    layered = k_base.ndim == 5
+    if layered != (layer is not None):
+        raise ValueError("pass `layer` exactly when the pools carry a leading layer axis")
+    B, T, Hq, D = q.shape
+    Hkv, P, S, Dk = k_base.shape[-4:]
+    if v_base.shape != k_base.shape:
+        raise ValueError(f"k_base {k_base.shape} and v_base {v_base.shape} differ")
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and of the pools ({Dk}) differ")
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if D % 2:
+        raise ValueError(f"head_dim {D} must be even (rotate-half RoPE)")
+    if S & (S - 1):
+        raise ValueError(f"page size {S} must be a power of two")
+    if base_pages.ndim != 2 or base_pages.shape[0] != B:
+        raise ValueError(f"base_pages {base_pages.shape} must be [B={B}, M]")
+    M = base_pages.shape[1]
+    G = Hq // Hkv
+    dt = k_base.dtype
+    residual = res is not None
+
+    # Query rows: block_q tokens x Gp heads, at least 16 rows (dots with M < 16 are not safe).
+    # Defaults below: the fastest of the H200 sweeps (BENCHMARKS.md, "Kernels").
+    gp = _next_pow2(G)
+    if block_q is None:
+        block_q = 1 if T == 1 else max(1, (64 if residual else 128) // gp)
+    block_q = max(1, min(_next_pow2(block_q), _next_pow2(T)))
+    if block_q * gp < 16:
+        gp = 16 // block_q
+    rows = block_q * gp
+    t_pad = -(-T // block_q) * block_q
+    n_qb = t_pad // block_q
+    dp = max(16, _next_pow2(D))
+
+    if block_k is None:
+        block_k = 32 if residual and T > 1 else 64
+    block_k = max(_next_pow2(block_k), S)
+    ppb = block_k // S
+    n_blocks = -(-M // ppb)
+    if k_splits is None:
+        k_splits = _default_splits(B * Hkv * n_qb, n_blocks)
+    k_splits = max(1, min(k_splits, n_blocks))
+    blocks_per_split = -(-n_blocks // k_splits)
+    pages_per_split = blocks_per_split * ppb
+    m_pad = k_splits * pages_per_split
+    split_len = pages_per_split * S
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3 if not residual and T == 1 else 2
+
+    # q -> [B, Hkv, t_pad * gp, dp]
+    qx = q.astype(dt).reshape(B, T, Hkv, G, D)
+    qx = jnp.pad(qx, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, dp - D)))
+    qx = qx.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, dp)
+    kb = _pad_axis(k_base, -1, dp)
+    vb = _pad_axis(v_base, -1, dp)
+    bpt = _pad_axis(base_pages.astype(jnp.int32), 1, m_pad)
+    prefix_lengths = prefix_lengths.astype(jnp.int32)
+    chunk_lengths = chunk_lengths.astype(jnp.int32)
+
+    grid = (Hkv, n_qb, k_splits, B)
+    pool_block = (None, P, S, dp)
+    if layered:
+        pool_spec = pl.BlockSpec((k_base.shape[0],) + pool_block, lambda h, i, j, b: (0, h, 0, 0, 0))
+    else:
+        pool_spec = pl.BlockSpec(pool_block, lambda h, i, j, b: (h, 0, 0, 0))
+    q_spec = pl.BlockSpec((None, None, rows, dp), lambda h, i, j, b: (b, h, i, 0))
+    pt_spec = pl.BlockSpec((None, m_pad), lambda h, i, j, b: (b, 0))
+    per_req = pl.BlockSpec((None,), lambda h, i, j, b: (b,))
+    scalar = pl.BlockSpec((None,), lambda h, i, j, b: (0,))
+    layer_arr = None if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
+
+    if residual:
+        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+        R = k_res.shape[-1]
+        if b_k.shape[1:] != (R, Hkv, D) or b_v.shape != b_k.shape:
+            raise ValueError(f"b_k {b_k.shape} / b_v {b_v.shape} must be [A, R={R}, Hkv={Hkv}, D={D}]")
+        if k_res.ndim != (4 if layered else 3) or v_res.shape != k_res.shape:
+            raise ValueError(f"k_res {k_res.shape} / v_res {v_res.shape} must be [(L,) Pr, S, R]")
+        if k_res.shape[-2] != S:
+            raise ValueError(f"residual page size {k_res.shape[-2]} differs from base {S}")
+        if inv_freq.shape != (D // 2,):
+            raise ValueError(f"inv_freq {inv_freq.shape} must be [D//2={D // 2}]")
+        rp = max(16, _next_pow2(R))
+        h = D // 2
+        hp = max(16, _next_pow2(h))
+        kr = _pad_axis(k_res, -1, rp)
+        vr = _pad_axis(v_res, -1, rp)
+        rpt = _pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
+        aid = adapter_ids.astype(jnp.int32)
+        # Per (request, KV head) up-projections [B, Hkv, rp, *]: a gather of a few KB.
+        bk_all = b_k.transpose(0, 2, 1, 3)[aid]  # [B, Hkv, R, D]
+        bv_all = b_v.transpose(0, 2, 1, 3)[aid]
+
+        def pad_up(x, width, dtype):
+            return jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, rp - R), (0, width - x.shape[-1])))
+
+        bk1 = pad_up(bk_all[..., :h], hp, dt)
+        bk2 = pad_up(bk_all[..., h:], hp, dt)
+        # B_v [B, Hkv, R, D]: applied after the split combine, outside the kernel (in the
+        # kernel this one small dot set the register count, and so the occupancy, of the loop).
+        bv_sel = bv_all.astype(jnp.float32)
+        qh = q.astype(dt).reshape(B, T, Hkv, G, D)
+
+        def q_half(x):
+            x = jnp.pad(x, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, hp - h)))
+            return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
+
+        q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
+        offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
+        offc, offs = _pad_axis(offc, -1, hp).astype(dt), _pad_axis(offs, -1, hp).astype(dt)
+        n_kv_blocks = m_pad // ppb
+        blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
+        blkc, blks = _pad_axis(blkc, -1, hp), _pad_axis(blks, -1, hp)
+        if layered:
+            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0, 0, 0))
+        else:
+            rpool_spec = pl.BlockSpec(kr.shape[-3:], lambda h, i, j, b: (0, 0, 0))
+        up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
+        qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
+        blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
+        off_spec = pl.BlockSpec((block_k, hp), lambda h, i, j, b: (0, 0))
+        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
+        res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
+                     blk_spec, blk_spec, off_spec, off_spec)
+    else:
+        rp = 0
+        res_args = (None,) * 11
+        res_specs = (None,) * 11
+    (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs) = res_args
+    (q1_spec, q2_spec, kr_spec, vr_spec, rpt_spec, bk1_spec, bk2_spec,
+     blkc_spec, blks_spec, offc_spec, offs_spec) = res_specs
+
+    scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
+    normalize = k_splits == 1 and not residual
+    if normalize:
+        out_shape = jax.ShapeDtypeStruct((B, Hkv, t_pad * gp, dp), q.dtype)
+        out_specs = q_spec
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((B, k_splits, Hkv, t_pad * gp, dp), jnp.float32),
+            jax.ShapeDtypeStruct((B, k_splits, Hkv, t_pad * gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, k_splits, Hkv, t_pad * gp), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, None, rows, dp), lambda h, i, j, b: (b, j, h, i, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda h, i, j, b: (b, j, h, i)),
+            pl.BlockSpec((None, None, None, rows), lambda h, i, j, b: (b, j, h, i)),
+        )
+        if residual:
+            out_shape += (jax.ShapeDtypeStruct((B, k_splits, Hkv, t_pad * gp, rp), jnp.float32),)
+            out_specs += (pl.BlockSpec((None, None, None, rows, rp),
+                                       lambda h, i, j, b: (b, j, h, i, 0)),)
+    kernel = functools.partial(
+        _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
+        split_len=split_len, scale=scale, residual=residual, normalize=normalize,
+        rope_in_loop=rope_in_loop,
+        reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
+        # Measured on the H200 (BENCHMARKS.md): swapped tiles pay off with the residual path only.
+        swap_ab=(residual and rows <= 32) if swap_ab is None else swap_ab,
+        skip_k_lora=skip_k_lora)
+    name = f"{'residual' if residual else 'unified'}_attention_bq{block_q}_bk{block_k}_ks{k_splits}"
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[q_spec, q1_spec, q2_spec, pool_spec, pool_spec, kr_spec, vr_spec, pt_spec,
+                  rpt_spec, per_req, per_req, None if layer is None else scalar,
+                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(qx, q1, q2, kb, vb, kr, vr, bpt, rpt, prefix_lengths, chunk_lengths, layer_arr,
+      bk1, bk2, blkc, blks, offc, offs)
+
+    if not normalize:
+        o, m, l = out[:3]
+        m_max = lax.optimization_barrier(jnp.max(m, axis=1, keepdims=True))
+        w = jnp.exp2(m - m_max)  # [B, KS, Hkv, rows']
+        l_sum = jnp.sum(w * l, axis=1)
+        o_sum = jnp.sum(w[..., None] * o, axis=1)[..., :D]  # [B, Hkv, rows', D]
+        if residual:  # acc + acc_r @ B_v: once, on the combined accumulator
+            or_sum = jnp.sum(w[..., None] * out[3], axis=1)[..., :R]
+            o_sum = o_sum + jnp.einsum("bhnr,bhrd->bhnd", or_sum, bv_sel,
+                                       precision=lax.Precision.HIGHEST)
+        out = (o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(q.dtype)
+    out = out.reshape(B, Hkv, t_pad, gp, -1)[:, :, :T, :G, :D]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    if T > 1:
+        live = jnp.arange(T)[None, :] < chunk_lengths[:, None]
+        out = jnp.where(live[:, :, None, None], out, jnp.zeros_like(out))
+    return out
+
+
+_STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
+                          "interpret", "swap_ab")
+_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("rope_in_loop", "reconstruct_k")
+_STATIC = _STATIC_DECODE + ("block_q",)
+_STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_DECODE)
+def residual_attention_decode(
+    q,  # [B, Hq, D]      current token's query, RoPE applied
+    k_base,  # [Hkv, P, S, D]  base keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
+    v_base,  # [Hkv, P, S, D]
+    k_res,  # [Pr, S, R]      residual key activations xA_k (no RoPE); [L, Pr, S, R] with `layer`
+    v_res,  # [Pr, S, R]
+    base_pages,  # [B, M] int32
+    res_pages,  # [B, M] int32
+    lengths,  # [B] int32       tokens to attend, the current one included (already written)
+    b_k,  # [A, R, Hkv, D]  LoRA scale folded in, zero-padded ranks
+    b_v,  # [A, R, Hkv, D]
+    adapter_ids,  # [B] int32
+    inv_freq,  # [D//2] float32
+    *,
+    sm_scale=None,
+    interpret=False,
+    layer=None,  # int32 scalar: index of the layer when the pools carry a leading L axis
+    block_k=None,
+    k_splits=None,
+    num_warps=None,
+    num_stages=None,
+    rope_in_loop=False,  # tuning: reload the in-block RoPE table every block
+    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
+    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
+):
+    """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3)."""
+    lengths = lengths.astype(jnp.int32)
+    out = _paged_attention(
+        q[:, None], k_base, v_base, base_pages, lengths - 1, jnp.ones_like(lengths),
+        (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
+        sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        rope_in_loop=rope_in_loop, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+    return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def residual_attention_extend(
+    q,  # [B, T, Hq, D]   queries of the new tokens, RoPE applied, padded per request
+    k_base,  # [Hkv, P, S, D]  (new tokens already written)
+    v_base,  # [Hkv, P, S, D]
+    k_res,  # [Pr, S, R]
+    v_res,  # [Pr, S, R]
+    base_pages,  # [B, M] int32
+    res_pages,  # [B, M] int32
+    prefix_lengths,  # [B] int32   cached tokens before the chunk
+    chunk_lengths,  # [B] int32    new tokens in the chunk (<= T)
+    b_k,  # [A, R, Hkv, D]
+    b_v,  # [A, R, Hkv, D]
+    adapter_ids,  # [B] int32
+    inv_freq,  # [D//2] float32
+    *,
+    sm_scale=None,
+    interpret=False,
+    layer=None,
+    block_q=None,
+    block_k=None,
+    k_splits=None,
+    num_warps=None,
+    num_stages=None,
+    rope_in_loop=False,  # tuning: reload the in-block RoPE table every block
+    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
+    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
+):
+    """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D]."""
+    return _paged_attention(
+        q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths,
+        (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
+        sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        rope_in_loop=rope_in_loop, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED_DECODE)
+def unified_attention_decode(
+    q,  # [B, Hq, D]
+    k_pages,  # [Hkv, P, S, D] merged keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
+    v_pages,  # [Hkv, P, S, D]
+    page_table,  # [B, M] int32
+    lengths,  # [B] int32
+    *,
+    sm_scale=None,
+    interpret=False,
+    layer=None,
+    block_k=None,
+    k_splits=None,
+    num_warps=None,
+    num_stages=None,
+    swap_ab=None,
+):
+    """Plain paged GQA decode over a merged cache (`prefix` / `full_reuse`) -> [B, Hq, D]."""
+    lengths = lengths.astype(jnp.int32)
+    out = _paged_attention(
+        q[:, None], k_pages, v_pages, page_table, lengths - 1, jnp.ones_like(lengths), None,
+        layer, sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
+    return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED)
+def unified_attention_extend(
+    q,  # [B, T, Hq, D]
+    k_pages,  # [Hkv, P, S, D]
+    v_pages,  # [Hkv, P, S, D]
+    page_table,  # [B, M] int32
+    prefix_lengths,  # [B] int32
+    chunk_lengths,  # [B] int32
+    *,
+    sm_scale=None,
+    interpret=False,
+    layer=None,
+    block_q=None,
+    block_k=None,
+    k_splits=None,
+    num_warps=None,
+    num_stages=None,
+    swap_ab=None,
+):
+    """Plain paged causal attention for a chunk of new tokens per request -> [B, T, Hq, D]."""
+    return _paged_attention(
+        q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths, None, layer,
+        sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
+
+
+# ----------------------------------------------------------------------------------------------
+# References: dense gather, reconstruct, masked softmax, all in float32 (HIGHEST precision).
+# ----------------------------------------------------------------------------------------------
+
+
+def _gather_pool(pool, pages, layer):
+    """[(L,) H, P, S, X] pool, [B, M] pages -> [B, H, M*S, X] f32; [(L,) P, S, X] -> [B, M*S, X]."""
+    if layer is not None:
+        pool = pool[layer]
+    if pool.ndim == 4:
+        g = pool[:, pages]  # [H, B, M, S, X]
+        h, b, m, s, x = g.shape
+        return g.reshape(h, b, m * s, x).transpose(1, 0, 2, 3).astype(jnp.float32)
+    g = pool[pages]  # [B, M, S, X]
+    b, m, s, x = g.shape
+    return g.reshape(b, m * s, x).astype(jnp.float32)
+
+
+def _reference(q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths, res, layer,
+               sm_scale):
+    hi = lax.Precision.HIGHEST
+    B, T, Hq, D = q.shape
+    Hkv = k_base.shape[-4]
+    G = Hq // Hkv
+    k = _gather_pool(k_base, base_pages, layer)  # [B, Hkv, N, D]
+    v = _gather_pool(v_base, base_pages, layer)
+    N = k.shape[2]
+    if res is not None:
+        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+        rk = _gather_pool(k_res, res_pages, layer)  # [B, N, R]
+        rv = _gather_pool(v_res, res_pages, layer)
+        bk = b_k[adapter_ids].astype(jnp.float32)  # [B, R, Hkv, D]
+        bv = b_v[adapter_ids].astype(jnp.float32)
+        y = jnp.einsum("bnr,brhd->bhnd", rk, bk, precision=hi)
+        c, s = rope_cos_sin(jnp.arange(N), inv_freq)  # [N, D/2]
+        c = jnp.concatenate([c, c], -1)
+        s = jnp.concatenate([s, s], -1)
+        k = k + y * c + rotate_half(y) * s
+        v = v + jnp.einsum("bnr,brhd->bhnd", rv, bv, precision=hi)
+    total = (prefix_lengths + chunk_lengths).astype(jnp.int32)
+    kv = jnp.arange(N)
+    kv_ok = kv[None, :] < total[:, None]  # [B, N]
+    v = jnp.where(kv_ok[:, None, :, None], v, 0.0)
+    pos = prefix_lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    vis = (kv[None, None, :] <= pos[:, :, None]) & kv_ok[:, None, :]  # [B, T, N]
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    logits = jnp.einsum("bthgd,bhnd->bthgn", qf, k, precision=hi) * scale
+    logits = jnp.where(vis[:, :, None, None, :], logits, -jnp.inf)
+    mx = jnp.max(logits, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.exp(logits - mx)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    out = jnp.einsum("bthgn,bhnd->bthgd", p, v, precision=hi).reshape(B, T, Hq, D)
+    live = jnp.arange(T)[None, :] < chunk_lengths[:, None]
+    return jnp.where(live[:, :, None, None], out, 0.0).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def residual_attention_decode_reference(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
+                                        lengths, b_k, b_v, adapter_ids, inv_freq, *,
+                                        sm_scale=None, layer=None):
+    """Same contract as `residual_attention_decode`; dense, float32."""
+    lengths = lengths.astype(jnp.int32)
+    return _reference(q[:, None], k_base, v_base, base_pages, lengths - 1,
+                      jnp.ones_like(lengths),
+                      (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq),
+                      layer, sm_scale)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def residual_attention_extend_reference(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
+                                        prefix_lengths, chunk_lengths, b_k, b_v, adapter_ids,
+                                        inv_freq, *, sm_scale=None, layer=None):
+    """Same contract as `residual_attention_extend`; dense, float32."""
+    return _reference(q, k_base, v_base, base_pages, prefix_lengths.astype(jnp.int32),
+                      chunk_lengths.astype(jnp.int32),
+                      (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq),
+                      layer, sm_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def unified_attention_decode_reference(q, k_pages, v_pages, page_table, lengths, *,
+                                       sm_scale=None, layer=None):
+    """Same contract as `unified_attention_decode`; dense, float32."""
+    lengths = lengths.astype(jnp.int32)
+    return _reference(q[:, None], k_pages, v_pages, page_table, lengths - 1,
+                      jnp.ones_like(lengths), None, layer, sm_scale)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def unified_attention_extend_reference(q, k_pages, v_pages, page_table, prefix_lengths,
+                                       chunk_lengths, *, sm_scale=None, layer=None):
+    """Same contract as `unified_attention_extend`; dense, float32."""
+    return _reference(q, k_pages, v_pages, page_table, prefix_lengths.astype(jnp.int32),
+                      chunk_lengths.astype(jnp.int32), None, layer, sm_scale)

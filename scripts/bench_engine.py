@@ -1,0 +1,113 @@
+"""Engine benchmark on the GPU: decode step time against the roofline, host share, prefill rate.
+
+    PYTHONPATH=. python3 scripts/bench_engine.py --out $OUT/bench_engine.json
+
+`llama3-8b-random` (exact Llama-3-8B shapes, seeded random bf16 weights) with one rank-16 adapter
+on q/k/v/o, `forkkv`. Decode: B requests with distinct 2k-token prompts, timed over steady
+decode steps. Roofline per step = (weight bytes + KV bytes read) / copy bandwidth measured here.
+Host share = host time (scheduling + input building + postprocess) / step wall time.
+Prefill: one 8k-token prompt (4 chunks of 2048) to its first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import forkjax
+from forkjax.config import ModelConfig
+from forkjax.engine.sequence import SamplingParams
+from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+
+
+def copy_bandwidth(nbytes=4 << 30, reps=20) -> float:
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 2)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / float(np.median(times))  # bytes read + written per second
+
+
+def param_bytes(engine) -> int:
+    from flax import nnx
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(engine.model)))
+
+
+def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, bw: float):
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
+    seqs = [engine.add_request(rng.integers(0, cfg.vocab_size, context).tolist(), "agent", params)
+            for _ in range(batch)]
+    while any(s.in_prefill or s.cache is None for s in seqs):  # prefill everything first
+        engine.step()
+    for _ in range(3):  # warm-up decode steps (compile)
+        engine.step()
+    h0, d0 = engine.step_times["host_s"], engine.step_times["device_s"]
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    host = engine.step_times["host_s"] - h0
+    for s in seqs:
+        engine.abort(s)
+    kv_bytes = batch * (context + steps) * cfg.num_layers * 2 * cfg.kv_size * 2  # bf16 K and V
+    res_bytes = batch * (context + steps) * cfg.num_layers * 2 * 16 * 2
+    roof = (param_bytes(engine) + kv_bytes + res_bytes) / bw
+    step = float(np.median(walls))
+    return dict(batch=batch, context=context, step_ms=step * 1e3, roofline_ms=roof * 1e3,
+                ratio=step / roof, host_share=host / sum(walls),
+                tokens_per_s=batch / step)
+
+
+def prefill_bench(engine, cfg: ModelConfig, n: int = 8192):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+    engine.generate([prompt[: n // 2]], adapters="agent", max_new_tokens=1)  # compile the shapes
+    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+    t = time.perf_counter()
+    engine.generate([prompt], adapters="agent", max_new_tokens=1)
+    dt = time.perf_counter() - t
+    return dict(prompt_tokens=n, seconds=dt, tokens_per_s=n / dt)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_engine.json")
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--policy", default="forkkv")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--copy-bytes", type=int, default=4 << 30)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
+    adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
+    t = time.perf_counter()
+    engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
+                                            cache_policy=args.policy, max_batch_size=64,
+                                            warmup=False)
+    load_s = time.perf_counter() - t
+    bw = copy_bandwidth(args.copy_bytes)
+    rows = [decode_bench(engine, int(b), args.context, args.steps, cfg, bw) for b in args.batches.split(",")]
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
+                  policy=args.policy, load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
+                  param_GB=param_bytes(engine) / 1e9, decode=rows, prefill=prefill_bench(engine, cfg, args.prefill_tokens),
+                  kv_pool_GB=engine.runner.layout.nbytes / 1e9)
+    print(json.dumps(result, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

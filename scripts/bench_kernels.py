@@ -1,0 +1,473 @@
+"""Benchmark the attention kernels at the Llama-3-8B attention shape on one GPU.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py --out OUT_DIR [--sweep] [--quick]
+
+Decode: ResidualAttention (forkkv), the unified path (prefix / full_reuse), jax's
+`pallas.ops.gpu.paged_attention` on the same unified cache, and a naive path that rebuilds the
+merged K/V in HBM and then attends. Extend: 2k new tokens over 0 / 8k / 32k cached tokens.
+Ceilings measured in the same run: device copy bandwidth and a bf16 matmul rate.
+
+Times are medians of CUPTI kernel-time sums per call (every kernel the call launches, the split
+combine and table set-up included); wall-clock timing is the fallback where CUPTI is missing.
+Small caches would sit in the 60 MB L2 across repetitions, so each timed call runs the kernel
+over several disjoint page-table sets (>= 256 MB of cache in all) and reports the time per set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forkjax.pallas_kernels import (
+    residual_attention_decode,
+    residual_attention_extend,
+    unified_attention_decode,
+    unified_attention_extend,
+)
+from forkjax.pallas_kernels.rope import rope_tables_full
+
+HQ, HKV, D, S, R = 32, 8, 128, 16, 16
+DT = jnp.bfloat16
+LOG = []
+SMOKE = False  # --smoke: tiny sizes in interpret mode on the CPU, to check this script
+
+
+def log(msg):
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+# ------------------------------------------------------------------ timing
+
+
+def time_ms(f, args, iters=20):
+    """Median ms per call of f(*args)."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(f, iterations=iters)(*args)
+        if times:
+            return statistics.median(times), "cupti"
+    except Exception as e:  # noqa: BLE001
+        log(f"  cupti unavailable ({type(e).__name__}: {e}); wall clock")
+    jax.block_until_ready(f(*args))
+    reps = []
+    iters = 1 if SMOKE else iters
+    for _ in range(1 if SMOKE else 5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        reps.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(reps), "wall"
+
+
+_TORCH_COPY = """
+import statistics, torch
+src = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
+dst = torch.empty_like(src)
+for _ in range(3):
+    dst.copy_(src)
+times = []
+for _ in range(10):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); dst.copy_(src); b.record(); b.synchronize()
+    times.append(a.elapsed_time(b))
+print(2 * src.numel() * 4 / (statistics.median(times) * 1e-3))
+"""
+
+
+def torch_copy_bandwidth():
+    """Device-to-device copy through PyTorch (4 GiB read + 4 GiB written, CUDA events), run in
+    a child process before JAX takes the GPU memory."""
+    import subprocess
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _TORCH_COPY], capture_output=True, text=True,
+                           timeout=120)
+        return float(r.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001
+        log(f"  torch copy unavailable: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def copy_bandwidth():
+    """Best of XLA elementwise passes over 2-4 GiB (bytes read + written)."""
+    best = (0.0, 0.0, "")
+    n = 1 << (16 if SMOKE else 30)
+    for dtype, f in ((jnp.bfloat16, lambda a: a * 2), (jnp.float32, lambda a: a + 1.0)):
+        x = jax.random.normal(jax.random.key(0), (n,), dtype)
+        ms, how = time_ms(jax.jit(f), (x,))
+        bw = 2 * x.nbytes / (ms * 1e-3)
+        log(f"  xla copy {jnp.dtype(dtype).name}: {bw / 1e12:.2f} TB/s")
+        if bw > best[0]:
+            best = (bw, ms, how)
+        del x
+    return best
+
+
+def matmul_rate(n=8192):
+    n = 256 if SMOKE else n
+    k1, k2 = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(k1, (n, n), DT)
+    b = jax.random.normal(k2, (n, n), DT)
+    f = jax.jit(lambda x, y: x @ y)
+    ms, how = time_ms(f, (a, b))
+    return 2 * n**3 / (ms * 1e-3), ms, how
+
+
+# ------------------------------------------------------------------ data
+
+
+def make_decode(B, L, n_sets, seed=0):
+    """Pools holding n_sets disjoint batches of B sequences of L tokens, shuffled page tables."""
+    M = L // S
+    P = n_sets * B * M + 1
+    keys = jax.random.split(jax.random.key(seed), 8)
+    kb = jax.random.normal(keys[0], (HKV, P, S, D), DT)
+    vb = jax.random.normal(keys[1], (HKV, P, S, D), DT)
+    kr = jax.random.normal(keys[2], (P, S, R), DT)
+    vr = jax.random.normal(keys[3], (P, S, R), DT)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(np.arange(1, P)).astype(np.int32)
+    bpt = jnp.asarray(perm.reshape(n_sets, B, M))
+    rpt = jnp.asarray(rng.permutation(np.arange(1, P)).astype(np.int32).reshape(n_sets, B, M))
+    q = jax.random.normal(keys[4], (B, HQ, D), DT)
+    A = 4
+    bk = (jax.random.normal(keys[5], (A, R, HKV, D), jnp.float32) * 0.25).astype(DT)
+    bv = (jax.random.normal(keys[6], (A, R, HKV, D), jnp.float32) * 0.25).astype(DT)
+    aid = jnp.asarray(rng.integers(0, A, B).astype(np.int32))
+    lengths = jnp.full((B,), L, jnp.int32)
+    inv_freq = jnp.asarray((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    return dict(q=q, kb=kb, vb=vb, kr=kr, vr=vr, bpt=bpt, rpt=rpt, bk=bk, bv=bv, aid=aid,
+                lengths=lengths, inv_freq=inv_freq)
+
+
+def n_sets_for(B, L):
+    per_set = B * L * HKV * D * 2 * 2
+    return int(min(8, max(1, math.ceil(256e6 / per_set))))
+
+
+def decode_fns(cfg_res, cfg_uni):
+    def residual(d):
+        return [residual_attention_decode(
+            d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"][i], d["rpt"][i], d["lengths"],
+            d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res)
+            for i in range(d["bpt"].shape[0])]
+
+    def unified(d):
+        return [unified_attention_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
+                                         **cfg_uni)
+                for i in range(d["bpt"].shape[0])]
+
+    def jax_paged(d):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as pa
+        return [pa.paged_attention(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
+                                   k_splits=4 if SMOKE else 16, interpret=SMOKE)
+                for i in range(d["bpt"].shape[0])]
+
+    def naive(d):
+        """Rebuild merged K/V in HBM (XLA), then attend with the unified kernel (ForkKV §5.3)."""
+        outs = []
+        for i in range(d["bpt"].shape[0]):
+            bpt, rpt = d["bpt"][i], d["rpt"][i]
+            B, M = bpt.shape
+            bk, bv = d["bk"][d["aid"]], d["bv"][d["aid"]]  # [B, R, Hkv, D]
+            rk, rv = d["kr"][rpt], d["vr"][rpt]  # [B, M, S, R]
+            y = jnp.einsum("bmsr,brhd->hbmsd", rk, bk)
+            c, s = rope_tables_full(jnp.arange(M * S), d["inv_freq"], D)
+            c, s = c.reshape(M, S, D).astype(DT), s.reshape(M, S, D).astype(DT)
+            y_rot = jnp.concatenate([-y[..., D // 2:], y[..., :D // 2]], -1)
+            k = d["kb"][:, bpt] + y * c + y_rot * s
+            v = d["vb"][:, bpt] + jnp.einsum("bmsr,brhd->hbmsd", rv, bv)
+            k = k.reshape(HKV, B * M, S, D)
+            v = v.reshape(HKV, B * M, S, D)
+            pt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+            outs.append(unified_attention_decode(d["q"], k, v, pt, d["lengths"], **cfg_uni))
+        return outs
+
+    return {"residual": residual, "unified": unified, "jax_paged": jax_paged, "naive": naive}
+
+
+def decode_bytes(B, L, residual):
+    per_tok = HKV * D * 2 * 2 + (R * 2 * 2 if residual else 0)
+    return B * L * per_tok + B * (L // S) * 4 * (2 if residual else 1)
+
+
+# ------------------------------------------------------------------ sections
+
+
+def bench_decode_point(B, L, methods, cfg_res, cfg_uni, peak_bw):
+    n_sets = n_sets_for(B, L)
+    d = make_decode(B, L, n_sets)
+    fns = decode_fns(cfg_res, cfg_uni)
+    row = {"B": B, "L": L, "n_sets": n_sets}
+    for name in methods:
+        try:
+            f = jax.jit(fns[name])
+            ms, how = time_ms(f, (d,), iters=10)
+            ms /= n_sets
+            nbytes = decode_bytes(B, L, name in ("residual", "naive"))
+            row[name] = {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12,
+                         "frac_copy": nbytes / (ms * 1e-3) / peak_bw, "timer": how}
+        except Exception as e:  # noqa: BLE001
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(traceback.format_exc()[-1500:])
+    del d
+    return row
+
+
+def fmt_decode(row):
+    parts = [f"B={row['B']:4d} L={row['L']:6d}"]
+    for k in ("residual", "unified", "jax_paged", "naive"):
+        v = row.get(k)
+        if v is None:
+            continue
+        if "error" in v:
+            parts.append(f"{k}=ERR")
+        else:
+            parts.append(f"{k}={v['ms'] * 1e3:8.1f}us({v['frac_copy'] * 100:4.0f}%)")
+    if "residual" in row and "unified" in row and "ms" in row["residual"] and "ms" in row["unified"]:
+        parts.append(f"res/uni={row['residual']['ms'] / row['unified']['ms']:.2f}")
+    return " ".join(parts)
+
+
+def make_extend(prefix, T, seed=0):
+    L = prefix + T
+    M = -(-L // S)
+    P = M + 1
+    keys = jax.random.split(jax.random.key(seed), 8)
+    kb = jax.random.normal(keys[0], (HKV, P, S, D), DT)
+    vb = jax.random.normal(keys[1], (HKV, P, S, D), DT)
+    kr = jax.random.normal(keys[2], (P, S, R), DT)
+    vr = jax.random.normal(keys[3], (P, S, R), DT)
+    rng = np.random.default_rng(seed)
+    bpt = jnp.asarray(rng.permutation(np.arange(1, P)).astype(np.int32)[None])
+    rpt = jnp.asarray(rng.permutation(np.arange(1, P)).astype(np.int32)[None])
+    q = jax.random.normal(keys[4], (1, T, HQ, D), DT)
+    bk = (jax.random.normal(keys[5], (2, R, HKV, D), jnp.float32) * 0.25).astype(DT)
+    bv = (jax.random.normal(keys[6], (2, R, HKV, D), jnp.float32) * 0.25).astype(DT)
+    inv_freq = jnp.asarray((1.0 / 500000.0 ** (np.arange(0, D, 2) / D)).astype(np.float32))
+    return dict(q=q, kb=kb, vb=vb, kr=kr, vr=vr, bpt=bpt, rpt=rpt, bk=bk, bv=bv,
+                aid=jnp.zeros((1,), jnp.int32), prefix=jnp.array([prefix], jnp.int32),
+                chunk=jnp.array([T], jnp.int32), inv_freq=inv_freq)
+
+
+def extend_flops(prefix, T):
+    pairs = T * prefix + T * (T + 1) // 2  # causal (query, key) pairs actually attended
+    return 4 * HQ * D * pairs
+
+
+def bench_extend_point(prefix, T, cfg_res, cfg_uni, peak_flops):
+    d = make_extend(prefix, T)
+    res = jax.jit(lambda d: residual_attention_extend(
+        d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"], d["rpt"], d["prefix"], d["chunk"],
+        d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res))
+    uni = jax.jit(lambda d: unified_attention_extend(
+        d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], **cfg_uni))
+    row = {"prefix": prefix, "T": T, "flops": extend_flops(prefix, T)}
+    for name, f in (("residual", res), ("unified", uni)):
+        try:
+            ms, how = time_ms(f, (d,))
+            tf = row["flops"] / (ms * 1e-3)
+            row[name] = {"ms": ms, "tflops": tf / 1e12, "frac_mm": tf / peak_flops, "timer": how}
+        except Exception as e:  # noqa: BLE001
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(traceback.format_exc()[-1500:])
+    return row
+
+
+def fmt_extend(row):
+    parts = [f"T={row['T']} prefix={row['prefix']:6d}"]
+    for k in ("residual", "unified"):
+        v = row[k]
+        parts.append(f"{k}=ERR" if "error" in v else
+                     f"{k}={v['ms']:.3f}ms {v['tflops']:.0f}TF/s({v['frac_mm'] * 100:.0f}%)")
+    return " ".join(parts)
+
+
+def sweep_decode(B, L, grid, method, peak_bw):
+    """Time `method` under each config in grid at one (B, L); return sorted [(ms, cfg)]."""
+    n_sets = n_sets_for(B, L)
+    d = make_decode(B, L, n_sets)
+    out = []
+    for cfg in grid:
+        fns = decode_fns(cfg, cfg)
+        try:
+            ms, _ = time_ms(jax.jit(fns[method]), (d,), iters=6)
+            ms /= n_sets
+            out.append((ms, cfg))
+            frac = decode_bytes(B, L, method == "residual") / (ms * 1e-3) / peak_bw
+            log(f"  sweep {method} B={B} L={L} {cfg}: {ms * 1e3:.1f} us ({frac * 100:.0f}%)")
+        except Exception as e:  # noqa: BLE001
+            log(f"  sweep {method} {cfg}: ERR {type(e).__name__}: {str(e)[:200]}")
+    del d
+    return sorted(out, key=lambda t: t[0])
+
+
+def sweep_extend(prefix, T, grid, method, peak_flops):
+    d = make_extend(prefix, T)
+    out = []
+    for cfg in grid:
+        if method == "residual":
+            f = jax.jit(lambda d, cfg=cfg: residual_attention_extend(
+                d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"], d["rpt"], d["prefix"],
+                d["chunk"], d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg))
+        else:
+            f = jax.jit(lambda d, cfg=cfg: unified_attention_extend(
+                d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], **cfg))
+        try:
+            ms, _ = time_ms(f, (d,), iters=6)
+            out.append((ms, cfg))
+            log(f"  sweep extend {method} prefix={prefix} {cfg}: {ms:.3f} ms "
+                f"({extend_flops(prefix, T) / (ms * 1e-3) / peak_flops * 100:.0f}% of matmul)")
+        except Exception as e:  # noqa: BLE001
+            log(f"  sweep extend {method} {cfg}: ERR {type(e).__name__}: {str(e)[:200]}")
+    return sorted(out, key=lambda t: t[0])
+
+
+def diag_decode(B, L, cfgs, peak_bw):
+    """Leave-one-stage-out timings of the residual kernel (outputs are wrong on purpose)."""
+    from forkjax.pallas_kernels.residual_attention import _paged_attention
+
+    n_sets = n_sets_for(B, L)
+    d = make_decode(B, L, n_sets)
+    out = []
+    for cfg in cfgs:
+        def f(d, cfg=cfg):
+            return [_paged_attention(
+                d["q"][:, None], d["kb"], d["vb"], d["bpt"][i], d["lengths"] - 1,
+                jnp.ones_like(d["lengths"]),
+                (d["kr"], d["vr"], d["rpt"][i], d["bk"], d["bv"], d["aid"], d["inv_freq"]),
+                None, sm_scale=None, block_q=1, block_k=cfg.get("block_k", 64),
+                k_splits=None, num_warps=cfg.get("num_warps", 4),
+                num_stages=cfg.get("num_stages", 2), interpret=cfg.get("interpret", False),
+                swap_ab=cfg.get("swap_ab"), skip_k_lora=True) for i in range(n_sets)]
+        try:
+            ms, _ = time_ms(jax.jit(f), (d,), iters=10)
+            ms /= n_sets
+            out.append((ms, cfg))
+            log(f"  diag residual-without-K-lora B={B} L={L} {cfg}: {ms * 1e3:.1f} us")
+        except Exception as e:  # noqa: BLE001
+            log(f"  diag {cfg}: ERR {type(e).__name__}: {str(e)[:300]}")
+    del d
+    return out
+
+
+def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
+    """Pick block sizes / formulations at B=32, L=8k (decode) and 2k over 8k (extend)."""
+    def c(**kw):
+        return dict(base, **kw)
+
+    res_grid = [c(block_k=64, num_warps=4, num_stages=2, swap_ab=True),
+                c(block_k=32, num_warps=4, num_stages=2, swap_ab=True),
+                c(block_k=64, num_warps=4, num_stages=2, swap_ab=True, rope_in_loop=True),
+                c(block_k=32, num_warps=4, num_stages=3, swap_ab=True)]
+    uni_grid = [c(block_k=64, num_warps=4, num_stages=3, swap_ab=False),
+                c(block_k=64, num_warps=4, num_stages=3, swap_ab=True)]
+    if SMOKE:
+        res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]
+    diag = diag_decode(B0, L0, [c(block_k=64, num_warps=4, swap_ab=True)], bw)
+    best_r = sweep_decode(B0, L0, res_grid, "residual", bw)
+    best_u = sweep_decode(B0, L0, uni_grid, "unified", bw)
+    cfg_res = dict(best_r[0][1]) if best_r else dict(base)
+    cfg_uni = dict(best_u[0][1]) if best_u else dict(base)
+    best_k1 = []
+    results["sweep_decode"] = {"residual": best_r, "unified": best_u, "splits_b1": best_k1,
+                               "diag_no_k_lora": diag}
+    egrid_r = [c(block_q=16, block_k=32, num_warps=4, swap_ab=False, reconstruct_k=True),
+               c(block_q=32, block_k=32, num_warps=8, swap_ab=False, reconstruct_k=True)]
+    egrid_u = [c(block_q=32, block_k=64, num_warps=4, swap_ab=False)]
+    if SMOKE:
+        egrid_r, egrid_u = egrid_r[:1], egrid_u[:1]
+    best_er = sweep_extend(LX, TX, egrid_r, "residual", mm)
+    best_eu = sweep_extend(LX, TX, egrid_u, "unified", mm)
+    results["sweep_extend"] = {"residual": best_er, "unified": best_eu}
+    return (cfg_res, cfg_uni, dict(best_er[0][1]) if best_er else dict(base),
+            dict(best_eu[0][1]) if best_eu else dict(base))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--sweep", action="store_true", help="tune block sizes first")
+    ap.add_argument("--quick", action="store_true", help="B=32 L=8k and extend 8k only")
+    ap.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU check)")
+    args = ap.parse_args()
+    global SMOKE
+    SMOKE = args.smoke
+    os.makedirs(args.out, exist_ok=True)
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+               "command": " ".join(sys.argv)}
+
+    def save():
+        with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
+            json.dump(results, fh, indent=1, default=str)
+        with open(os.path.join(args.out, "bench_kernels.log"), "w") as fh:
+            fh.write("\n".join(LOG) + "\n")
+
+    tbw = None if SMOKE else torch_copy_bandwidth()  # before JAX takes the memory
+    if tbw:
+        log(f"  torch copy_ float32 4 GiB: {tbw / 1e12:.2f} TB/s")
+    bw, ms, how = copy_bandwidth()
+    bw = max(bw, tbw or 0.0)
+    log(f"copy bandwidth (best of the above) {bw / 1e12:.2f} TB/s")
+    results["torch_copy_bw"] = tbw
+    mm, ms, how = matmul_rate()
+    log(f"bf16 matmul 8192^3 {mm / 1e12:.0f} TFLOP/s ({ms:.3f} ms, {how})")
+    results.update(copy_bw=bw, matmul_flops=mm)
+    save()
+
+    base = {"interpret": True} if SMOKE else {}
+    cfg_res, cfg_uni = dict(base), dict(base)
+    cfg_res_ext, cfg_uni_ext = dict(base), dict(base)
+    B0, L0, LX, TX = (2, 512, 256, 64) if SMOKE else (32, 8192, 8192, 2048)
+    if args.sweep:
+        cfg_res, cfg_uni, cfg_res_ext, cfg_uni_ext = run_sweeps(base, B0, L0, LX, TX, bw, mm,
+                                                                results)
+        save()
+    log(f"decode configs: residual {cfg_res or 'defaults'}, unified {cfg_uni or 'defaults'}")
+    log(f"extend configs: residual {cfg_res_ext or 'defaults'}, unified {cfg_uni_ext or 'defaults'}")
+    results["configs"] = dict(decode_res=cfg_res, decode_uni=cfg_uni, extend_res=cfg_res_ext,
+                              extend_uni=cfg_uni_ext)
+
+    points = [(B0, L0)] if args.quick or SMOKE else [(b, l) for b in (1, 8, 32, 128)
+                                                          for l in (1024, 8192, 32768)]
+    results["decode"] = []
+    for B, L in points:
+        row = bench_decode_point(B, L, ("residual", "unified", "jax_paged", "naive"),
+                                 {k: v for k, v in cfg_res.items() if k != "k_splits"},
+                                 {k: v for k, v in cfg_uni.items()
+                                  if k not in ("k_splits", "rope_in_loop", "reconstruct_k")},
+                                 bw)
+        results["decode"].append(row)
+        log(fmt_decode(row))
+        save()
+
+    results["extend"] = []
+    for prefix in ((LX,) if args.quick or SMOKE else (0, 8192, 32768)):
+        row = bench_extend_point(prefix, TX, cfg_res_ext, cfg_uni_ext, mm)
+        results["extend"].append(row)
+        log(fmt_extend(row))
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""ResidualAttention / unified paged attention kernels against an independent float64 numpy model.
+
+On the CPU the kernels run in Pallas interpret mode; on a GPU (the device tool) the same tests
+run the compiled Triton kernels. Grids are kept small so the CPU run stays short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from forkjax.pallas_kernels import (
+    residual_attention_decode,
+    residual_attention_decode_reference,
+    residual_attention_extend,
+    residual_attention_extend_reference,
+    rope_cos_sin,
+    unified_attention_decode,
+    unified_attention_decode_reference,
+    unified_attention_extend,
+    unified_attention_extend_reference,
+)
+
+INTERPRET = jax.default_backend() != "gpu"
+TOL = {np.float32: 1e-3, jnp.bfloat16: 2e-2}
+
+
+# ------------------------------------------------------------------ float64 numpy model
+
+
+def np_rope(y, pos, inv_freq):
+    """HF rotate-half RoPE in float64. y [N, D], pos [N]."""
+    ang = pos[:, None].astype(np.float64) * inv_freq.astype(np.float64)[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    h = y.shape[1] // 2
+    y1, y2 = y[:, :h], y[:, h:]
+    return np.concatenate([y1 * c - y2 * s, y2 * c + y1 * s], axis=1)
+
+
+def np_attention(c, sm_scale=None, residual=True):
+    """Token-by-token float64 model of the contract: out [B, T, Hq, D]."""
+    f = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    q, kb, vb = f(c.q), f(c.k_base), f(c.v_base)
+    B, T, Hq, D = q.shape
+    Hkv, _, S, _ = kb.shape
+    G = Hq // Hkv
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    out = np.zeros((B, T, Hq, D))
+    for b in range(B):
+        total = int(c.prefix[b] + c.chunk[b])
+        t = np.arange(total)
+        pages, slots = c.base_pages[b, t // S], t % S
+        if residual:
+            rpages = c.res_pages[b, t // S]
+            rk, rv = f(c.k_res)[rpages, slots], f(c.v_res)[rpages, slots]
+            a = int(c.adapter_ids[b])
+        for h in range(Hkv):
+            K, V = kb[h, pages, slots], vb[h, pages, slots]
+            if residual:
+                K = K + np_rope(rk @ f(c.b_k)[a, :, h, :], t, np.asarray(c.inv_freq))
+                V = V + rv @ f(c.b_v)[a, :, h, :]
+            for i in range(int(c.chunk[b])):
+                pos = int(c.prefix[b]) + i
+                qh = q[b, i, h * G:(h + 1) * G]  # [G, D]
+                logits = qh @ K[:pos + 1].T * scale
+                p = np.exp(logits - logits.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                out[b, i, h * G:(h + 1) * G] = p @ V[:pos + 1]
+    return out
+
+
+def rel_err(out, ref, chunk):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    live = np.arange(out.shape[1])[None, :] < np.asarray(chunk)[:, None]
+    assert np.isfinite(out).all(), "non-finite output"
+    assert (out[~live] == 0).all(), "padding rows must be zero"
+    return np.linalg.norm(out[live] - ref[live]) / np.linalg.norm(ref[live])
+
+
+# ------------------------------------------------------------------ random cases
+
+
+@dataclasses.dataclass
+class Case:
+    q: jax.Array  # [B, T, Hq, D]
+    k_base: jax.Array
+    v_base: jax.Array
+    k_res: jax.Array
+    v_res: jax.Array
+    base_pages: np.ndarray
+    res_pages: np.ndarray
+    prefix: np.ndarray
+    chunk: np.ndarray
+    b_k: jax.Array
+    b_v: jax.Array
+    adapter_ids: np.ndarray
+    inv_freq: np.ndarray
+
+    def res_args(self):
+        return (self.k_res, self.v_res, jnp.asarray(self.base_pages), jnp.asarray(self.res_pages))
+
+
+def make_case(seed, *, prefix, chunk, T=None, hkv=2, group=4, d=64, r=16, s=16, m=None,
+              adapters=3, dtype=np.float32, lora_scale=1.0, rope_base=10000.0):
+    """Shuffled page tables, NaN in every unused slot and in the pages past each sequence.
+
+    Adapter 0 has k and v LoRA of full rank r, adapter 1 half rank, adapter 2 v-only (b_k = 0).
+    """
+    rng = np.random.default_rng(seed)
+    prefix, chunk = np.asarray(prefix, np.int32), np.asarray(chunk, np.int32)
+    B = len(prefix)
+    T = int(chunk.max()) if T is None else T
+    totals = prefix + chunk
+    need = [-(-int(n) // s) for n in totals]
+    m = max(need) if m is None else m
+    n_pages = sum(need) + 2  # page 0: padding sink; page 1: NaN poison
+    hq = hkv * group
+
+    def pool(shape_tail, heads=None):
+        shape = ((heads,) if heads else ()) + (n_pages, s) + shape_tail
+        return rng.standard_normal(shape).astype(np.float32)
+
+    kb, vb = pool((d,), hkv), pool((d,), hkv)
+    kr, vr = pool((r,)), pool((r,))
+
+    def tables(pools, res):
+        perm = rng.permutation(np.arange(2, n_pages))
+        pt = np.ones((B, m), np.int32)  # every unused entry -> the NaN page
+        at = 0
+        for b in range(B):
+            pt[b, :need[b]] = perm[at:at + need[b]]
+            at += need[b]
+            used = int(totals[b])
+            last = pt[b, need[b] - 1] if need[b] else None
+            if last is not None and used % s:
+                for p in pools:  # poison the unused tail slots of the last page
+                    if res:
+                        p[last, used % s:] = np.nan
+                    else:
+                        p[:, last, used % s:] = np.nan
+        for p in pools:
+            if res:
+                p[1] = np.nan
+            else:
+                p[:, 1] = np.nan
+        return pt
+
+    base_pages = tables([kb, vb], res=False)
+    res_pages = tables([kr, vr], res=True)
+    bk = rng.standard_normal((adapters, r, hkv, d)).astype(np.float32) * lora_scale / np.sqrt(r)
+    bv = rng.standard_normal((adapters, r, hkv, d)).astype(np.float32) * lora_scale / np.sqrt(r)
+    if adapters > 1:
+        bk[1, max(1, r // 2):] = 0
+        bv[1, max(1, r // 2):] = 0
+    if adapters > 2:
+        bk[2] = 0  # v-only LoRA
+    q = rng.standard_normal((B, T, hq, d)).astype(np.float32)
+    q[np.arange(T)[None, :] >= chunk[:, None]] = np.nan  # padded query rows: must not matter
+    inv_freq = (1.0 / rope_base ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return Case(cast(q), cast(kb), cast(vb), cast(kr), cast(vr), base_pages, res_pages,
+                prefix, chunk, cast(bk), cast(bv),
+                rng.integers(0, adapters, B).astype(np.int32), inv_freq)
+
+
+def run_decode(c, **kw):
+    return residual_attention_decode(
+        c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
+        jnp.asarray(c.res_pages), jnp.asarray(c.prefix + c.chunk), c.b_k, c.b_v,
+        jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), interpret=INTERPRET, **kw)
+
+
+def run_extend(c, **kw):
+    return residual_attention_extend(
+        c.q, c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
+        jnp.asarray(c.res_pages), jnp.asarray(c.prefix), jnp.asarray(c.chunk), c.b_k, c.b_v,
+        jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), interpret=INTERPRET, **kw)
+
+
+def decode_case(seed, lengths, **kw):
+    lengths = np.asarray(lengths, np.int32)
+    return make_case(seed, prefix=lengths - 1, chunk=np.ones_like(lengths), **kw)
+
+
+# ------------------------------------------------------------------ decode
+
+
+@pytest.mark.parametrize("k_splits,reconstruct_k,swap_ab",
+                         [(1, False, True), (4, True, True), (2, False, False)])
+def test_decode_lengths_f32(k_splits, reconstruct_k, swap_ab):
+    """Lengths 1, 37, 513 and page-aligned ones, mixed adapters (one v-only), NaN pages."""
+    c = decode_case(0, [1, 37, 513, 512, 16, 48], dtype=np.float32)
+    out = run_decode(c, k_splits=k_splits, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("r,group,dtype", [
+    (1, 1, jnp.bfloat16),
+    (8, 8, np.float32),
+    (64, 4, jnp.bfloat16),
+    (16, 8, jnp.bfloat16),
+])
+def test_decode_ranks_and_gqa(r, group, dtype):
+    c = decode_case(1, [1, 37, 100, 64], r=r, group=group, dtype=dtype)
+    out = run_decode(c, k_splits=2)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < TOL[dtype], err
+
+
+def test_decode_odd_head_dim():
+    """head_dim 40 (not a power of two) goes through zero padding."""
+    c = decode_case(2, [5, 37], d=40, r=4, group=2, dtype=np.float32)
+    err = rel_err(run_decode(c)[:, None], np_attention(c), c.chunk)
+    assert err < 1e-3, err
+
+
+def test_decode_rope_far_from_zero():
+    """Positions around 30k, peaked softmax: an error in the deferred RoPE shows up here."""
+    c = decode_case(3, [30037], hkv=1, group=4, s=32, lora_scale=2.0, dtype=np.float32,
+                    rope_base=500000.0)
+    # Big blocks keep the interpreted loop short; on the GPU they would not fit shared memory.
+    out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4)
+    err = rel_err(out[:, None], np_attention(c, sm_scale=0.5), c.chunk)
+    assert err < 1e-3, err
+
+
+def test_rope_tables_accurate():
+    pos = np.array([0, 1, 63, 64, 4095, 4096, 30000, 30037, 131071, 1 << 20])
+    inv = (1.0 / 10000.0 ** (np.arange(0, 128, 2) / 128)).astype(np.float32)
+    c, s = rope_cos_sin(jnp.asarray(pos), jnp.asarray(inv))
+    ang = pos[:, None].astype(np.float64) * inv.astype(np.float64)[None, :]
+    assert np.abs(np.asarray(c) - np.cos(ang)).max() < 2e-6
+    assert np.abs(np.asarray(s) - np.sin(ang)).max() < 2e-6
+
+
+# ------------------------------------------------------------------ extend
+
+
+@pytest.mark.parametrize("dtype,reconstruct_k", [(np.float32, False), (jnp.bfloat16, True)])
+def test_extend(dtype, reconstruct_k):
+    """Chunks over cached prefixes (0, 21, 500), page-unaligned, padded to T = 40."""
+    c = make_case(4, prefix=[0, 21, 500], chunk=[37, 16, 13], T=40, dtype=dtype)
+    out = run_extend(c, block_q=8, k_splits=2, reconstruct_k=reconstruct_k)
+    err = rel_err(out, np_attention(c), c.chunk)
+    assert err < TOL[dtype], err
+
+
+def test_extend_gqa1_rank1():
+    c = make_case(5, prefix=[3, 40], chunk=[20, 9], T=20, group=1, r=1, dtype=np.float32)
+    err = rel_err(run_extend(c, block_q=16), np_attention(c), c.chunk)
+    assert err < 1e-3, err
+
+
+def test_chunked_prefill_matches_one_shot():
+    """A 100-token prompt prefilled as chunks of 32 equals the float64 model token for token."""
+    full = make_case(6, prefix=[0], chunk=[100], dtype=np.float32)
+    ref = np_attention(full)
+    outs = []
+    for start in range(0, 100, 32):
+        n = min(32, 100 - start)
+        q = full.q[:, start:start + 32]
+        if q.shape[1] < 32:
+            q = jnp.pad(q, ((0, 0), (0, 32 - q.shape[1]), (0, 0), (0, 0)))
+        part = dataclasses.replace(full, q=q, prefix=np.array([start], np.int32),
+                                   chunk=np.array([n], np.int32))
+        outs.append(np.asarray(run_extend(part, block_q=16))[:, :n])
+    out = np.concatenate(outs, axis=1)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < 1e-3, err
+
+
+# ------------------------------------------------------------------ unified (base only)
+
+
+@pytest.mark.parametrize("dtype,swap_ab", [(np.float32, False), (jnp.bfloat16, True)])
+def test_unified_decode(dtype, swap_ab):
+    c = decode_case(7, [1, 37, 513, 256], dtype=dtype)
+    out = unified_attention_decode(
+        c.q[:, 0], c.k_base, c.v_base, jnp.asarray(c.base_pages), jnp.asarray(c.prefix + 1),
+        interpret=INTERPRET, k_splits=4, swap_ab=swap_ab)
+    err = rel_err(out[:, None], np_attention(c, residual=False), c.chunk)
+    assert err < TOL[dtype], err
+
+
+def test_unified_extend():
+    c = make_case(8, prefix=[0, 37, 130], chunk=[24, 5, 17], T=24, group=8, dtype=np.float32)
+    out = unified_attention_extend(
+        c.q, c.k_base, c.v_base, jnp.asarray(c.base_pages), jnp.asarray(c.prefix),
+        jnp.asarray(c.chunk), interpret=INTERPRET, block_q=8, k_splits=2)
+    err = rel_err(out, np_attention(c, residual=False), c.chunk)
+    assert err < 1e-3, err
+
+
+# ------------------------------------------------------------------ layered pools, references
+
+
+def test_layered_pools_match_single_layer():
+    c = decode_case(9, [37, 70], dtype=np.float32)
+    stack = lambda x: jnp.stack([x * 0.5 + 1.0, x, x * 2.0])  # noqa: E731  layer 1 is the case
+    pt, rt, lens = (jnp.asarray(c.base_pages), jnp.asarray(c.res_pages),
+                    jnp.asarray(c.prefix + 1))
+    out = residual_attention_decode(
+        c.q[:, 0], stack(c.k_base), stack(c.v_base), stack(c.k_res), stack(c.v_res), pt, rt,
+        lens, c.b_k, c.b_v, jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq),
+        layer=jnp.int32(1), interpret=INTERPRET)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < 1e-3, err
+    out_u = unified_attention_decode(c.q[:, 0], stack(c.k_base), stack(c.v_base), pt, lens,
+                                     layer=1, interpret=INTERPRET)
+    err = rel_err(out_u[:, None], np_attention(c, residual=False), c.chunk)
+    assert err < 1e-3, err
+
+
+def test_references_match_float64_model():
+    c = make_case(10, prefix=[0, 21, 200], chunk=[37, 1, 9], T=37, dtype=np.float32)
+    args = (c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
+            jnp.asarray(c.res_pages))
+    lora = (c.b_k, c.b_v, jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))
+    pre, chk = jnp.asarray(c.prefix), jnp.asarray(c.chunk)
+    ref = np_attention(c)
+    out = residual_attention_extend_reference(c.q, *args, pre, chk, *lora)
+    assert rel_err(out, ref, c.chunk) < 1e-4
+    ref_u = np_attention(c, residual=False)
+    out_u = unified_attention_extend_reference(c.q, c.k_base, c.v_base, args[4], pre, chk)
+    assert rel_err(out_u, ref_u, c.chunk) < 1e-4
+    d = decode_case(11, [1, 37, 130], dtype=np.float32)
+    dargs = (d.q[:, 0], d.k_base, d.v_base, d.k_res, d.v_res, jnp.asarray(d.base_pages),
+             jnp.asarray(d.res_pages), jnp.asarray(d.prefix + 1), d.b_k, d.b_v,
+             jnp.asarray(d.adapter_ids), jnp.asarray(d.inv_freq))
+    out_d = residual_attention_decode_reference(*dargs)
+    assert rel_err(out_d[:, None], np_attention(d), d.chunk) < 1e-4
+    out_du = unified_attention_decode_reference(d.q[:, 0], d.k_base, d.v_base,
+                                                jnp.asarray(d.base_pages),
+                                                jnp.asarray(d.prefix + 1))
+    assert rel_err(out_du[:, None], np_attention(d, residual=False), d.chunk) < 1e-4
