@@ -22,7 +22,7 @@ from forkjax.engine.model_runner import ModelRunner
 from forkjax.engine.scheduler import ScheduledBatch, Scheduler
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
-from forkjax.lora.slots import AdapterSlots, write_slot
+from forkjax.lora.slots import AdapterSlots, slot_rank, write_slot
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
 
@@ -36,7 +36,7 @@ class Engine:
                                  model_cfg.max_position_embeddings)
         on_gpu = jax.default_backend() == "gpu"
         self.slots = AdapterSlots(cfg.max_loras)
-        rank = model.layers[0].self_attn.k_proj.lora_a.get_value().shape[-1]
+        rank = self.max_lora_rank = slot_rank(model)
         layout = PoolLayout.from_budget(
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,

@@ -35,8 +35,10 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: expected an int >= 0")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2 ** 31:
+            raise ValueError(f"top_k={self.top_k!r}: expected an int in [0, 2**31)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed={self.seed!r}: expected an int")
 
 
 class Sequence:

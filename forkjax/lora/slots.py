@@ -19,22 +19,26 @@ def _projection(model, layer: int, module: str):
     return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, module)
 
 
+def slot_rank(model) -> int:
+    """R: the rank every slot is padded to."""
+    return model.layers[0].self_attn.q_proj.lora_a.get_value().shape[-1]
+
+
 def write_slot(model, slot: int, adapter: LoraAdapter | None):
     """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`."""
     if slot == BASE_SLOT and adapter is not None:
         raise ValueError("slot 0 is reserved for the bare base model")
+    rank_cap = slot_rank(model)
+    if adapter is not None and adapter.rank > rank_cap:  # before anything is overwritten
+        raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {rank_cap}")
     for layer in range(len(model.layers)):
         for module in TARGETS:
             proj = _projection(model, layer, module)
             a_all, b_all = proj.lora_a.get_value(), proj.lora_b.get_value()
-            rank_cap = a_all.shape[-1]
             a = np.zeros(a_all.shape[1:], np.float32)
             b = np.zeros(b_all.shape[1:], np.float32)
             if adapter is not None and (layer, module) in adapter.weights:
                 wa, wb = adapter.weights[(layer, module)]
-                if wa.shape[1] > rank_cap:
-                    raise ValueError(f"adapter {adapter.name!r} has rank {wa.shape[1]} > "
-                                     f"max_lora_rank {rank_cap}")
                 a[:, :wa.shape[1]] = wa
                 b[:wb.shape[0], :] = wb
             proj.lora_a.set_value(a_all.at[slot].set(jnp.asarray(a, a_all.dtype)))

@@ -1,0 +1,151 @@
+"""`python -m forkjax.serve`: an OpenAI-compatible server where every LoRA adapter is a model.
+
+    python -m forkjax.serve                         # tiny-llama + demo adapters on 127.0.0.1:8000
+    python -m forkjax.serve --model /ckpt/llama --lora planner=/ckpt/planner --lora coder=/ckpt/coder \\
+        --cache-policy forkkv --api-key sk-local
+
+Endpoints (vLLM's names and bodies): /v1/completions, /v1/chat/completions (`stream: true` for
+server-sent events; `model` picks the adapter, the base model answers to its own name),
+/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics (Prometheus).
+The HTTP layer is in forkjax/server/; this file parses flags, builds the engine and runs uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+import jax
+import uvicorn
+
+import forkjax
+from forkjax.server.app import create_app
+from forkjax.server.engine_loop import EngineLoop, display_path
+
+DEFAULT_MAX_BODY = 8 << 20
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'268435456', '256M', '1.5GiB' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256M, 2GiB)")
+    return int(float(m[1]) * _UNITS[m[2]])
+
+
+def parse_lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora {text!r}: expected NAME=DIR")
+    return _utf8(name), path
+
+
+def _utf8(text: str) -> str:
+    """A name the API shows must be valid Unicode (argv may carry undecodable bytes)."""
+    if display_path(text) != text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid UTF-8")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m forkjax.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-llama",
+                   help="HF checkpoint directory or built-in model name (%(default)s)")
+    p.add_argument("--served-model-name", type=_utf8, default=None,
+                   help="the base model's name in the API (default: --model)")
+    p.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME=DIR",
+                   help="a PEFT adapter to serve as model NAME (repeatable; replaces the demo adapters)")
+    p.add_argument("--cache-policy", default="forkkv",
+                   choices=("forkkv", "prefix", "full_reuse", "lrshared"),
+                   help="KV sharing across adapters (%(default)s; `prefix` is exact)")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
+                   help="KV cache budget, e.g. 2G (default: 80%% of free device memory; 256M on CPU)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="running requests at most (default: 64 on GPU, 16 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens per prefill step (%(default)s)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (%(default)s)")
+    p.add_argument("--max-loras", type=int, default=8,
+                   help="adapter slots, the base model's included (%(default)s)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank (default: the initial adapters' largest, at least 16)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models (%(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="%(default)s (loopback); 0.0.0.0 exposes the server")
+    p.add_argument("--port", type=int, default=8000,
+                   help="%(default)s; 0 picks a free port (printed when ready)")
+    p.add_argument("--api-key", default=os.environ.get("FORKJAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $FORKJAX_API_KEY)")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY,
+                   help="largest request body accepted (8M)")
+    p.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/forkjax/jax"),
+                   help="XLA programs kept across restarts (%(default)s; '' disables; "
+                        "$JAX_COMPILATION_CACHE_DIR wins)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="(%(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("forkjax").setLevel(args.log_level.upper())
+    if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    print(f"forkjax: loading {args.model} ({args.dtype}, cache policy {args.cache_policy}) on "
+          f"{jax.default_backend()}", file=sys.stderr, flush=True)
+    try:
+        engine = forkjax.Engine.from_pretrained(
+            args.model, adapters=dict(args.lora) or None, cache_policy=args.cache_policy, dtype=args.dtype,
+            page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
+            max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, seed=args.seed,
+            max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+            warmup=True, progress=True)
+    except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
+        sys.exit(f"forkjax.serve: error: {e}")
+    loop = EngineLoop(engine)
+    name = args.served_model_name or display_path(args.model)
+    app = create_app(loop, model_name=name, model_root=display_path(args.model), api_key=args.api_key,
+                     max_body_bytes=args.max_request_bytes, max_lora_rank=engine.max_lora_rank)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"forkjax: warning: serving on {args.host} without --api-key: anyone who can reach it "
+              "can use it and load adapters from this machine's files", file=sys.stderr)
+
+    def ready(url: str):
+        print(f"forkjax: ready: serving {name} with adapters {sorted(loop.adapters) or '(none)'} at "
+              f"{url}/v1" + (" (API key required)" if args.api_key else ""), flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = ReadyServer(config, ready)
+    loop.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    finally:
+        loop.shutdown()
+    print("forkjax: stopped", file=sys.stderr)
+
+
+class ReadyServer(uvicorn.Server):
+    """uvicorn that says once, with the bound port, when it accepts requests."""
+
+    def __init__(self, config: uvicorn.Config, ready):
+        super().__init__(config)
+        self._ready = ready
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self._ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+
+if __name__ == "__main__":
+    main()

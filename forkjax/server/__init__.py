@@ -1,0 +1,11 @@
+"""The OpenAI-compatible HTTP server behind `python -m forkjax.serve`.
+
+protocol.py      request/response bodies and OpenAI-shaped errors
+engine_loop.py   the engine thread: the only code that touches the Engine
+detokenizer.py   incremental token -> text with stop strings
+chat_template.py messages -> prompt ids
+serving.py       /v1/completions and /v1/chat/completions over the engine loop
+middleware.py    API key and request body size limit
+metrics.py       /metrics in Prometheus text format
+app.py           the FastAPI app: routes and error handlers
+"""

@@ -1,0 +1,148 @@
+"""The FastAPI app: routes, and the handlers that give every error the OpenAI shape.
+
+Every failure a request can cause is answered here as `{"error": {message, type, param, code}}`
+with a 4xx status; the last-resort handler (a 500) exists for server bugs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forkjax.engine.loading import read_adapters
+from forkjax.server import metrics
+from forkjax.server.engine_loop import EngineLoop
+from forkjax.server.middleware import RequestGuard
+from forkjax.server.protocol import (
+    APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest)
+from forkjax.server.serving import OpenAIServing
+
+log = logging.getLogger("forkjax.serve")
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
+GENERATION_RESPONSES = {**ERRORS, 200: {"content": {"text/event-stream": {}}}}
+HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+              413: "request_too_large"}
+
+
+def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: str | None = None,
+               max_body_bytes: int = 8 << 20, max_lora_rank: int | None = None) -> FastAPI:
+    engine = loop.engine
+    stats = engine.stats()
+    pool_pages = min(n for n in (stats["base_pages_total"], stats["residual_pages_total"]) if n > 0)
+    serving = OpenAIServing(loop, model_name, engine.tokenizer, max_model_len=engine.max_model_len,
+                            pool_tokens=(pool_pages - 2) * engine.config.page_size,
+                            vocab_size=engine.model_cfg.vocab_size)
+    created = int(time.time())
+    app = FastAPI(title="forkjax", summary="OpenAI-compatible multi-LoRA server; adapters are models",
+                  version="0.1.0")
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if loop.alive else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def get_metrics() -> Response:
+        snap = await asyncio.wrap_future(loop.call(lambda: metrics.snapshot(loop)))
+        return Response(metrics.render(snap, model_name), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models() -> ModelList:
+        ctx = engine.max_model_len
+        cards = [ModelCard(id=model_name, created=created, root=model_root, max_model_len=ctx)]
+        cards += [ModelCard(id=name, created=created, root=src, parent=model_name, max_model_len=ctx)
+                  for name, src in sorted(loop.adapters.items())]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
+    async def create_completion(body: CompletionRequest, raw: Request):
+        return await serving.create_completion(body, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        return await serving.create_chat_completion(body, raw)
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        name = body.lora_name
+        if name == model_name:
+            raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
+        if name in loop.adapters and not body.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded "
+                                "(set load_inplace to replace it).", param="lora_name")
+        try:  # parsing and checking the files needs no engine: off the engine thread
+            adapter, = await asyncio.to_thread(read_adapters, {name: body.lora_path}, engine.model_cfg)
+        except Exception as e:  # whatever is wrong with the files, it came with the request
+            raise APIError(400, f"cannot load adapter '{name}': {e}", param="lora_path") from None
+        if max_lora_rank is not None and adapter.rank > max_lora_rank:
+            raise APIError(400, f"adapter '{name}' has rank {adapter.rank} > the server's max LoRA "
+                                f"rank {max_lora_rank} (--max-lora-rank)", param="lora_path")
+
+        def install():
+            if name in engine.slots.by_name and not body.load_inplace:
+                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+            engine.load_adapter(name, adapter)
+        try:
+            await asyncio.wrap_future(loop.after_drain(name, install))
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_name") from None
+        log.info("loaded LoRA adapter %r from %s", name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        name = body.lora_name
+        missing = APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        if name not in loop.adapters:
+            raise missing
+        try:
+            await asyncio.wrap_future(loop.after_drain(name, lambda: engine.unload_adapter(name)))
+        except KeyError:
+            raise missing from None
+        log.info("unloaded LoRA adapter %r", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI):
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_, e: RequestValidationError):
+        # OpenAI answers 400 (not FastAPI's 422), naming the first bad field.
+        errors = e.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            error = errors[0].get("ctx", {}).get("error", "JSON decode error")
+            return JSONResponse(APIError(400, f"malformed JSON body: {error}").body(), status_code=400)
+        paths = [".".join(str(p) for p in err.get("loc", ()) if p != "body") for err in errors]
+        if paths == [""] and errors[0].get("type") in ("model_attributes_type", "dict_type"):
+            message = "the request body must be a JSON object sent as Content-Type: application/json"
+        else:
+            message = "; ".join(f"{path or 'body'}: {err['msg'].removeprefix('Value error, ')}"
+                                for path, err in zip(paths[:3], errors))
+        param = paths[0].split(".")[0] if paths and paths[0] else None
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        error = APIError(e.status_code, str(e.detail), code=HTTP_CODES.get(e.status_code))
+        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal server error: {e!r}", type="server_error").body(),
+                            status_code=500)

@@ -1,0 +1,228 @@
+"""The engine thread: the one owner of the Engine, which is not thread-safe.
+
+The HTTP side (asyncio) never touches the engine. It sends commands (closures) through a queue
+and gets their results through futures; every request's new tokens come back through the
+request's `sink`, called on this thread after each step. Between steps the thread runs all
+queued commands, so a request waits at most one step to be admitted or aborted.
+
+Unloading (or replacing) an adapter waits until the requests running on it finish, and
+meanwhile the loop keeps stepping, so every other stream keeps flowing; requests for that
+adapter that arrive during the wait are held and admitted after the change (a removed adapter
+then answers "unknown").
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from typing import Callable
+
+from forkjax.engine.sequence import SamplingParams, Sequence, Status
+
+log = logging.getLogger("forkjax.serve")
+
+
+@dataclasses.dataclass
+class Output:
+    """New tokens of one request since its last Output; `finish_reason` set on the last one."""
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class RequestHandle:
+    index: int  # position of this sequence among its HTTP request's choices
+    prompt: list[int]
+    adapter: str | None
+    params: SamplingParams
+    sink: Callable[[Output], None]
+    seq: Sequence | None = None
+    sent: int = 0  # output tokens already passed to the sink
+    failure: Exception | None = None  # set when the engine itself failed under this request
+    stopped: bool = False  # aborted because the HTTP side found a stop string: it ended "stop"
+
+
+@dataclasses.dataclass(eq=False)
+class _Barrier:
+    """`action` runs once no request on adapter `name` is live; adds for it wait here."""
+    name: str
+    action: Callable[[], object]
+    future: concurrent.futures.Future
+    held: list = dataclasses.field(default_factory=list)  # (handles, future) of deferred adds
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, RequestHandle] = {}  # seq.id -> handle
+        self._barriers: list[_Barrier] = []
+        self._closing = False
+        # Read by the HTTP side without locks: replaced whole, never mutated in place.
+        self.adapters: dict[str, str] = self._adapter_sources()
+        self.generation_tokens = 0
+        self.finished: collections.Counter[str] = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="forkjax-engine", daemon=True)
+
+    # ---- called from any thread -----------------------------------------------------------
+
+    def start(self):
+        self._thread.start()
+
+    def shutdown(self):
+        self._closing = True
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def add(self, handles: list[RequestHandle]) -> concurrent.futures.Future:
+        """Queue all of `handles` or, if the engine refuses one (ValueError / KeyError), none."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda: self._add(handles, fut), None))
+        return fut
+
+    def abort(self, handles: list[RequestHandle], *, stop: bool = False):
+        """Cancel `handles` (and free their pages); `stop`: they ended at a stop string."""
+        self._commands.put((lambda: self._abort(handles, stop), None))
+
+    def after_drain(self, name: str, action: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `action()` once the requests on adapter `name` have finished."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((lambda: self._barriers.append(_Barrier(name, action, fut)), None))
+        return fut
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self):
+        while not self._closing:
+            self._run_commands(block=not self.engine.scheduler.has_work)
+            if self.engine.scheduler.has_work:
+                try:
+                    self.engine.step()
+                except Exception as e:  # an engine bug: fail the requests, keep serving
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(e)
+            self._publish()
+            self._release_barriers()
+
+    def _run_commands(self, block: bool):
+        while True:
+            try:
+                item = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                result = fn()
+            except Exception as e:
+                if fut is None:
+                    log.exception("engine command failed")
+                else:
+                    fut.set_exception(e)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _add(self, handles: list[RequestHandle], fut: concurrent.futures.Future):
+        held = next((b for b in self._barriers if any(h.adapter == b.name for h in handles)), None)
+        if held is not None:
+            held.held.append((handles, fut))
+            return
+        done = []
+        try:
+            for h in handles:
+                h.seq = self.engine.add_request(h.prompt, h.adapter, h.params)
+                done.append(h)
+        except Exception as e:
+            for h in done:
+                self.engine.abort(h.seq)
+            fut.set_exception(e)
+            return
+        for h in handles:
+            self._live[h.seq.id] = h
+        fut.set_result(None)
+
+    def _abort(self, handles: list[RequestHandle], stop: bool):
+        for h in handles:
+            if h.seq is not None and h.seq.id in self._live:
+                h.stopped = stop
+                self.engine.abort(h.seq)
+
+    def _fail_all(self, error: Exception):
+        for h in self._live.values():
+            h.failure = error
+            try:
+                self.engine.abort(h.seq)
+            except Exception:
+                log.exception("could not abort request %d", h.seq.id)
+
+    def _publish(self):
+        for sid, h in list(self._live.items()):
+            seq = h.seq
+            done = seq.status is Status.FINISHED
+            new = seq.output[h.sent:]
+            if not new and not done:
+                continue
+            h.sent += len(new)
+            self.generation_tokens += len(new)
+            out = Output(h.index, list(new))
+            if done:
+                del self._live[sid]
+                out.finish_reason, out.error = seq.finish_reason, seq.error
+                if h.failure is not None:
+                    out.finish_reason, out.error = "error", h.failure
+                elif h.stopped and out.finish_reason == "abort":
+                    out.finish_reason = "stop"
+                self.finished[out.finish_reason] += 1
+            try:
+                h.sink(out)
+            except Exception:  # the HTTP side is gone (shutdown); the request is over anyway
+                log.debug("dropped an output of request %d", sid)
+
+    def _release_barriers(self):
+        for b in list(self._barriers):
+            if any(h.adapter == b.name for h in self._live.values()):
+                continue
+            self._barriers.remove(b)
+            try:
+                b.future.set_result(b.action())
+            except Exception as e:
+                b.future.set_exception(e)
+            finally:
+                self.adapters = self._adapter_sources()
+            for handles, fut in b.held:
+                self._add(handles, fut)
+
+    def _adapter_sources(self) -> dict[str, str]:
+        return {name: display_path(adapter.source)
+                for name, (_, adapter) in self.engine.slots.by_name.items()}
+
+    @property
+    def num_held(self) -> int:
+        """Requests waiting for an adapter change (not yet in the engine's queue)."""
+        return sum(len(hs) for b in self._barriers for hs, _ in b.held)
+
+
+def display_path(path: str) -> str:
+    """A path as valid Unicode: file names that are not UTF-8 come from the OS as lone
+    surrogates, which no JSON response can carry."""
+    return os.fsencode(path).decode("utf-8", errors="replace")

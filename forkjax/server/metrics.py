@@ -1,0 +1,68 @@
+"""/metrics in the Prometheus text format (version 0.0.4), names in vLLM's style.
+
+`snapshot` runs on the engine thread (the engine's counters are not thread-safe to read);
+`render` turns the snapshot into text on the HTTP side.
+"""
+
+from __future__ import annotations
+
+from forkjax.server.engine_loop import EngineLoop
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+POOLS = ("base", "residual")
+REASONS = ("stop", "length", "abort", "error")
+
+
+def snapshot(loop: EngineLoop) -> dict:
+    s = dict(loop.engine.stats())
+    s["waiting"] += loop.num_held
+    s["generation_tokens"] = loop.generation_tokens
+    s["finished"] = dict(loop.finished)
+    s["adapters"] = len(loop.adapters)
+    return s
+
+
+def _hit_rate(hits: int, total: int) -> float:
+    return hits / total if total else 0.0
+
+
+def render(s: dict, model_name: str) -> str:
+    label = f'model_name="{_escape(model_name)}"'
+    lines: list[str] = []
+
+    def metric(name, kind, help_, samples):
+        lines.append(f"# HELP forkjax:{name} {help_}")
+        lines.append(f"# TYPE forkjax:{name} {kind}")
+        for extra, value in samples:
+            labels = ",".join([label] + ([extra] if extra else []))
+            lines.append(f"forkjax:{name}{{{labels}}} {float(value)!r}")
+
+    metric("num_requests_running", "gauge", "Requests in the running batch.", [("", s["running"])])
+    metric("num_requests_waiting", "gauge", "Requests queued for admission.", [("", s["waiting"])])
+    metric("kv_pages_used", "gauge", "KV cache pages in use (cached or locked), per pool.",
+           [(f'pool="{p}"', s[f"{p}_pages_used"]) for p in POOLS])
+    metric("kv_pages_total", "gauge", "KV cache pages in the pool.",
+           [(f'pool="{p}"', s[f"{p}_pages_total"]) for p in POOLS])
+    metric("kv_bytes_used", "gauge", "Bytes of the KV cache pages in use, per pool.",
+           [(f'pool="{p}"', s[f"{p}_bytes_used"]) for p in POOLS])
+    metric("prefix_cache_hit_rate", "gauge",
+           "Prompt tokens found in the cache / prompt tokens, per pool (base: shared xW K/V; "
+           "residual: per-adapter xA).",
+           [('pool="base"', _hit_rate(s["base_hit_tokens"], s["prompt_tokens"])),
+            ('pool="residual"', _hit_rate(s["residual_hit_tokens"], s["prompt_tokens"]))])
+    metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", s["prompt_tokens"])])
+    metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the cache, per pool.",
+           [('pool="base"', s["base_hit_tokens"]), ('pool="residual"', s["residual_hit_tokens"])])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", s["generation_tokens"])])
+    metric("decode_batch_size_mean", "gauge", "Mean number of requests per decode step.",
+           [("", s["decode_batch_size_mean"])])
+    metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.",
+           [("", s["preemptions"])])
+    metric("request_success_total", "counter", "Finished requests, by finish reason.",
+           [(f'finished_reason="{r}"', s["finished"].get(r, 0)) for r in REASONS])
+    metric("lora_adapters_loaded", "gauge", "LoRA adapters being served.", [("", s["adapters"])])
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

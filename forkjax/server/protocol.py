@@ -1,0 +1,283 @@
+"""Request and response bodies of the OpenAI API subset forkjax serves, and its error shape.
+
+Requests validate strictly: a wrong type is a 400, never a silent coercion ("5" is not 5).
+Unknown fields are ignored, as OpenAI and vLLM do; known OpenAI fields whose feature forkjax
+does not implement are accepted only at their neutral value, so a client never gets a
+silently different answer than it asked for. vLLM's extensions (top_k, ignore_eos,
+stop_token_ids, return_token_ids, add_generation_prompt, load_inplace) keep vLLM's names.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# One request fans out to at most this many sequences (prompts x n): it bounds the work one
+# HTTP request can queue.
+MAX_CHOICES = 64
+# Stop strings are matched against the text after every token: bound their count and length.
+MAX_STOP, MAX_STOP_CHARS = 16, 256
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error to answer with `status` and the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+
+def _check_unicode(data):
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or encoder accepts: refuse
+    them up front. Iterative, so any nesting depth the JSON parser allowed is fine."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode (a lone surrogate was found)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_unicode(data)
+        return data
+
+
+class _Request(_Body):
+    # Fields of the OpenAI API this server does not implement -> the values that mean "off".
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, neutral in self.neutral_values.items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                raise ValueError(f"{name}={value!r} is not supported by this server")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str | None = Field(None, description="an adapter name, or the base model's name")
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="vLLM: -1 or 0 is off")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, token ids, or a batch of either")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    neutral_values = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",),
+                      "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)}
+
+
+class TextContent(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContent] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; see max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: ResponseFormat | None = None
+
+    neutral_values = {"logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
+                      "tool_choice": ("none", "auto"), "presence_penalty": (0,),
+                      "frequency_penalty": (0,), "logit_bias": ({},)}
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format type {self.response_format.type!r} is not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096,
+                           description="a PEFT directory: adapter_config.json + adapter_model.safetensors")
+    load_inplace: bool = Field(False, description="replace an adapter already loaded under this name")
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def _omitted_if_none(default=None, **kw):
+    """A response field left out when None (OpenAI sends no `role` in later stream deltas)."""
+    return Field(default, exclude_if=lambda v: v is None, **kw)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
+    prompt_token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = _omitted_if_none()
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = _omitted_if_none()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "forkjax"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
