@@ -187,11 +187,7 @@ class OpenAIServing:
             return _sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = _gather_init(len(gen.handles))
-            async for i, text, new, reason in gen.events():
-                texts[i] += text
-                ids[i] += new
-                reasons[i] = reason
+            texts, ids, reasons = await _gather(gen)
             choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
                                         token_ids=ids[i] if token_ids else None,
                                         prompt_token_ids=h.prompt if req.return_token_ids else None)
@@ -233,11 +229,7 @@ class OpenAIServing:
             return _sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = _gather_init(len(gen.handles))
-            async for i, text, new, reason in gen.events():
-                texts[i] += text
-                ids[i] += new
-                reasons[i] = reason
+            texts, ids, reasons = await _gather(gen)
             choices = [ChatChoice(index=i, message=ChatResponseMessage(role="assistant", content=texts[i]),
                                   finish_reason=reasons[i],
                                   token_ids=ids[i] if req.return_token_ids else None)
@@ -248,8 +240,15 @@ class OpenAIServing:
         return await _unless_disconnected(raw, collect(), gen)
 
 
-def _gather_init(n: int):
-    return [""] * n, [[] for _ in range(n)], [None] * n
+async def _gather(gen: Generation):
+    """Run a non-streaming request to the end -> (texts, token ids, finish reasons) per choice."""
+    n = len(gen.handles)
+    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    async for i, text, new, reason in gen.events():
+        texts[i] += text
+        ids[i] += new
+        reasons[i] = reason
+    return texts, ids, reasons
 
 
 def _sse(chunks: AsyncIterator, gen: Generation) -> StreamingResponse:
