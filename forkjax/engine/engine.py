@@ -17,7 +17,7 @@ import numpy as np
 from forkjax.cache import DualRadixCache, PoolLayout, check_shared_lora_a
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
-from forkjax.engine.loading import load_model_and_adapters
+from forkjax.engine.loading import load_model_and_adapters, read_adapters
 from forkjax.engine.model_runner import ModelRunner
 from forkjax.engine.scheduler import ScheduledBatch, Scheduler
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
@@ -79,7 +79,6 @@ class Engine:
     def load_adapter(self, name: str, path):
         """Add or replace adapter `name` (PEFT dir or `LoraAdapter`). Requests already running on
         a replaced adapter finish first; new ones see the new weights and a new cache identity."""
-        from forkjax.engine.loading import read_adapters
         adapter = read_adapters({name: path}, self.model_cfg)[0]
         if self.config.cache_policy == "lrshared":
             others = [a for n, (_, a) in self.slots.by_name.items() if n != name]
