@@ -374,12 +374,9 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     def c(**kw):
         return dict(base, **kw)
 
-    res_grid = [c(block_k=64, num_warps=4, num_stages=2, swap_ab=True),
-                c(block_k=32, num_warps=4, num_stages=2, swap_ab=True),
-                c(block_k=64, num_warps=4, num_stages=2, swap_ab=True, rope_in_loop=True),
-                c(block_k=32, num_warps=4, num_stages=3, swap_ab=True)]
-    uni_grid = [c(block_k=64, num_warps=4, num_stages=3, swap_ab=False),
-                c(block_k=64, num_warps=4, num_stages=3, swap_ab=True)]
+    res_grid = [c(block_k=bk, num_warps=4, num_stages=ns, swap_ab=True)
+                for bk, ns in [(64, 2), (32, 2), (32, 3)]]
+    uni_grid = [c(block_k=64, num_warps=4, num_stages=ns, swap_ab=False) for ns in (3, 4)]
     if SMOKE:
         res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]
     diag = diag_decode(B0, L0, [c(block_k=64, num_warps=4, swap_ab=True)], bw)
@@ -390,9 +387,12 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     best_k1 = []
     results["sweep_decode"] = {"residual": best_r, "unified": best_u, "splits_b1": best_k1,
                                "diag_no_k_lora": diag}
-    egrid_r = [c(block_q=16, block_k=32, num_warps=4, swap_ab=False, reconstruct_k=True),
-               c(block_q=32, block_k=32, num_warps=8, swap_ab=False, reconstruct_k=True)]
-    egrid_u = [c(block_q=32, block_k=64, num_warps=4, swap_ab=False)]
+    egrid_u = [c(block_q=bq, block_k=bk, num_warps=nw, swap_ab=False)
+               for bq, bk, nw in [(32, 64, 4), (64, 64, 8)]]
+    # Residual extend: on-chip reconstruction, or merged K/V rebuilt in HBM + unified kernel.
+    egrid_r = ([c(block_q=16, block_k=32, num_warps=4, swap_ab=False, reconstruct_k=True,
+                  materialize=False)]
+               + [dict(g, materialize=True) for g in egrid_u])
     if SMOKE:
         egrid_r, egrid_u = egrid_r[:1], egrid_u[:1]
     best_er = sweep_extend(LX, TX, egrid_r, "residual", mm)
@@ -454,7 +454,7 @@ def main():
         row = bench_decode_point(B, L, ("residual", "unified", "jax_paged", "naive"),
                                  {k: v for k, v in cfg_res.items() if k != "k_splits"},
                                  {k: v for k, v in cfg_uni.items()
-                                  if k not in ("k_splits", "rope_in_loop", "reconstruct_k")},
+                                  if k not in ("k_splits", "reconstruct_k")},
                                  bw)
         results["decode"].append(row)
         log(fmt_decode(row))

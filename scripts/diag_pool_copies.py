@@ -30,7 +30,8 @@ def main():
         for use_pallas in ((True, False) if jax.default_backend() == "gpu" else (False,)):
             for kind, b, c in (("decode", 4, 1), ("extend", 1, 64)):
                 inputs, samp = r._dummy(b, c)
-                m = _step.lower(r.graphdef, r.state, r.pools, inputs, samp, kind=kind, all_logits=False,
+                m = _step.lower(r.graphdef, r.state_def, r.state_leaves, r.pools, inputs, samp, kind=kind,
+                                all_logits=False,
                                 residual=r.residual, use_pallas=use_pallas).compile().memory_analysis()
                 row = dict(policy=policy, pallas=use_pallas, kind=kind, pool_GB=r.layout.nbytes / 1e9,
                            temp_GB=m.temp_size_in_bytes / 1e9, alias_GB=m.alias_size_in_bytes / 1e9)

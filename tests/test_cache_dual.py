@@ -250,3 +250,21 @@ def test_forkkv_memory_is_one_over_n_plus_r_over_n_of_prefix(num_agents):
         cache.check()
     r_over_n = 16 / (4 * 64)
     assert used["forkkv"] / used["prefix"] == pytest.approx(1 / num_agents + r_over_n, rel=0.05)
+
+
+def test_hits_count_once_per_admitted_request():
+    """Counted at the first successful reserve: not at a begin that is released unreserved (a
+    request waiting for pages), not at a re-admission the engine marks count_hits=False."""
+    cache = DualRadixCache("forkkv", S, 64, 64, base_page_bytes=1000, res_page_bytes=10)
+    _run(cache, PROMPT, "a")
+    cache.begin(PROMPT, "a").release()
+    h = cache.begin(PROMPT, "a", count_hits=False)
+    h.reserve(len(PROMPT))
+    h.reserve(len(PROMPT) + 1)
+    h.release()
+    st = cache.stats()
+    assert (st["prompt_tokens"], st["base_hit_tokens"]) == (len(PROMPT), 0)
+    h, _ = _run(cache, PROMPT, "a")
+    st = cache.stats()
+    assert (st["prompt_tokens"], st["base_hit_tokens"]) == (2 * len(PROMPT), h.base_len)
+    assert h.base_len > 0

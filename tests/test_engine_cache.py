@@ -125,6 +125,8 @@ def test_memory_pressure_gives_the_same_outputs(policy):
     got = small.generate(prompts, adapters=names, max_new_tokens=16)
     assert got == want
     assert small.stats()["preemptions"] + small.stats()["base_pages_evictable"] > 0
+    # Waiting for pages and being preempted do not count a prompt twice.
+    assert small.stats()["prompt_tokens"] == big.stats()["prompt_tokens"] == sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -241,11 +241,15 @@ def test_rope_tables_accurate():
 # ------------------------------------------------------------------ extend
 
 
-@pytest.mark.parametrize("dtype,reconstruct_k", [(np.float32, False), (jnp.bfloat16, True)])
-def test_extend(dtype, reconstruct_k):
-    """Chunks over cached prefixes (0, 21, 500), page-unaligned, padded to T = 40."""
+@pytest.mark.parametrize("dtype,reconstruct_k,materialize", [
+    (np.float32, False, False), (jnp.bfloat16, True, False),
+    (np.float32, None, True), (jnp.bfloat16, None, True)])
+def test_extend(dtype, reconstruct_k, materialize):
+    """Chunks over cached prefixes (0, 21, 500), page-unaligned, padded to T = 40; on-chip
+    reconstruction and the materialising path (merged K/V rebuilt in HBM, then unified)."""
     c = make_case(4, prefix=[0, 21, 500], chunk=[37, 16, 13], T=40, dtype=dtype)
-    out = run_extend(c, block_q=8, k_splits=2, reconstruct_k=reconstruct_k)
+    out = run_extend(c, block_q=8, k_splits=2, reconstruct_k=reconstruct_k,
+                     materialize=materialize)
     err = rel_err(out, np_attention(c), c.chunk)
     assert err < TOL[dtype], err
 
@@ -256,7 +260,8 @@ def test_extend_gqa1_rank1():
     assert err < 1e-3, err
 
 
-def test_chunked_prefill_matches_one_shot():
+@pytest.mark.parametrize("materialize", [False, True])
+def test_chunked_prefill_matches_one_shot(materialize):
     """A 100-token prompt prefilled as chunks of 32 equals the float64 model token for token."""
     full = make_case(6, prefix=[0], chunk=[100], dtype=np.float32)
     ref = np_attention(full)
@@ -268,7 +273,7 @@ def test_chunked_prefill_matches_one_shot():
             q = jnp.pad(q, ((0, 0), (0, 32 - q.shape[1]), (0, 0), (0, 0)))
         part = dataclasses.replace(full, q=q, prefix=np.array([start], np.int32),
                                    chunk=np.array([n], np.int32))
-        outs.append(np.asarray(run_extend(part, block_q=16))[:, :n])
+        outs.append(np.asarray(run_extend(part, block_q=16, materialize=materialize))[:, :n])
     out = np.concatenate(outs, axis=1)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < 1e-3, err
@@ -314,6 +319,11 @@ def test_layered_pools_match_single_layer():
                                      layer=1, interpret=INTERPRET)
     err = rel_err(out_u[:, None], np_attention(c, residual=False), c.chunk)
     assert err < 1e-3, err
+    out_m = residual_attention_extend(  # the materialising path gathers from one layer
+        c.q, stack(c.k_base), stack(c.v_base), stack(c.k_res), stack(c.v_res), pt, rt,
+        jnp.asarray(c.prefix), jnp.asarray(c.chunk), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
+        jnp.asarray(c.inv_freq), layer=jnp.int32(1), interpret=INTERPRET, materialize=True)
+    assert rel_err(out_m, np_attention(c), c.chunk) < 1e-3
 
 
 def test_references_match_float64_model():

@@ -494,10 +494,11 @@ def test_client_disconnect_cancels_and_frees(server):
 
 
 def test_metrics_prometheus_format(server):
+    prompt = "count me " * 6  # 55 tokens: three whole pages to hit the second time
     with server.http() as http:
-        complete(http, model="coder", prompt="count me", max_tokens=5, ignore_eos=True)
+        complete(http, model="coder", prompt=prompt, max_tokens=5, ignore_eos=True)
         before = server.metrics()
-        complete(http, model="coder", prompt="count me", max_tokens=5, ignore_eos=True)
+        complete(http, model="coder", prompt=prompt, max_tokens=5, ignore_eos=True)
         text = httpx.get(f"{server.url}/metrics").text
     after = server.metrics()
     assert httpx.get(f"{server.url}/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")

@@ -51,8 +51,12 @@ class DualRadixCache:
         res_len, res_pages, res_node = self.res_tree.match_prefix(res_ns, tokens)
         return MatchResult(base_len, res_len, base_pages, res_pages, base_node, res_node)
 
-    def begin(self, tokens, adapter_key: Hashable = None) -> SeqCache:
-        """Match and lock a new request's prompt; `release()` the handle when it ends."""
+    def begin(self, tokens, adapter_key: Hashable = None, *, count_hits: bool = True) -> SeqCache:
+        """Match and lock a new request's prompt; `release()` the handle when it ends.
+
+        The hit counters of `stats()` move when the handle's first `reserve` succeeds, and only
+        with `count_hits` (the engine passes False when it re-admits a preempted request, and a
+        request that waits for pages is not counted on every retry)."""
         tokens = np.asarray(tokens, np.int32)
         m = self.match(tokens, adapter_key)
         base = PoolSeq("base", self.base_tree, self.policy.base_ns(adapter_key), m.base_len, m.base_pages,
@@ -61,12 +65,14 @@ class DualRadixCache:
         if m.res_node is not None:
             res = PoolSeq("residual", self.res_tree, self.policy.res_ns(adapter_key), m.res_len, m.res_pages,
                           m.res_node)
-        handle = SeqCache(self, adapter_key, len(tokens), base, res)
+        handle = SeqCache(self, adapter_key, len(tokens), base, res, count_hits=count_hits)
         self._live.add(handle)
-        self.prompt_tokens += len(tokens)
-        self.base_hit_tokens += m.base_len
-        self.residual_hit_tokens += m.res_len
         return handle
+
+    def _count_hits(self, handle: SeqCache):
+        self.prompt_tokens += handle.prompt_len
+        self.base_hit_tokens += handle.base_len
+        self.residual_hit_tokens += handle.res_len
 
     def evict(self, num_pages: int, pool: str = "base") -> int:
         """Free >= num_pages pages of one pool from its LRU unlocked leaves; returns pages freed."""

@@ -116,8 +116,10 @@ class PoolSeq:
 class SeqCache:
     """Handle returned by `DualRadixCache.begin`; see the `forkjax.cache` docstring for its use."""
 
-    def __init__(self, owner, adapter_key: Hashable, prompt_len: int, base: PoolSeq, res: PoolSeq | None):
+    def __init__(self, owner, adapter_key: Hashable, prompt_len: int, base: PoolSeq, res: PoolSeq | None,
+                 *, count_hits: bool = True):
         self._owner = owner
+        self._count_hits = count_hits  # report this request's hits once, at its first reserve
         self.adapter_key = adapter_key
         self.prompt_len = prompt_len
         self.base = base
@@ -147,6 +149,9 @@ class SeqCache:
         """
         base_copies = self.base.reserve(num_tokens)
         res_copies = self.res.reserve(num_tokens) if self.res else []
+        if self._count_hits:
+            self._count_hits = False
+            self._owner._count_hits(self)
         return base_copies, res_copies
 
     def slot_mapping(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:

@@ -134,8 +134,10 @@ class Engine:
         t2 = time.perf_counter()
         self._postprocess(batch, out)
         t3 = time.perf_counter()
-        self.step_times["host_s"] += (t1 - t0) + (t3 - t2)
-        self.step_times["device_s"] += t2 - t1
+        # host: scheduling, input building, dispatch, postprocessing; device: waiting for it
+        host_run = self.runner.last_host_s
+        self.step_times["host_s"] += (t1 - t0) + host_run + (t3 - t2)
+        self.step_times["device_s"] += t2 - t1 - host_run
         self.step_times["steps"] += 1
         return batch.seqs
 

@@ -59,9 +59,10 @@ class Scheduler:
         if self.cache.res_tree is not None and seq.adapter_key is not None:
             capacity["residual"] = self.cache.res_tree.allocator.num_pages - 1
         for pool, cap in capacity.items():
-            if pages + 1 > cap:
-                raise ValueError(f"request needs {pages} pages of {self.cache.page_size} tokens but the "
-                                 f"whole {pool} pool holds {cap}: raise kv_cache_bytes")
+            if pages + 1 > cap:  # +1: the copy-on-write page of a fork inside a shared page
+                raise ValueError(f"request needs {pages} pages of {self.cache.page_size} tokens plus one "
+                                 f"spare page, but the whole {pool} pool holds {cap}: raise "
+                                 f"kv_cache_bytes")
         self.waiting.append(seq)
 
     @property
@@ -85,7 +86,7 @@ class Scheduler:
     def _admit(self):
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            h = self.cache.begin(seq.tokens, seq.adapter_key)
+            h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted)
             try:
                 base_cow, res_cow = h.reserve(len(seq))
             except OutOfPages:
@@ -96,7 +97,7 @@ class Scheduler:
                     continue
                 return
             self.waiting.popleft()
-            seq.cache, seq.status = h, Status.RUNNING
+            seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
             seq.pending_copies = (base_cow, res_cow)
             seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
             self.running.append(seq)

@@ -53,6 +53,7 @@ class Sequence:
         self.status = Status.WAITING
         self.cache = None  # SeqCache while running
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
+        self.admitted = False  # admitted once already (a preempted request is not recounted)
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
         # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
         self.pending_copies: tuple[list, list] = ([], [])

@@ -6,7 +6,10 @@ One kernel serves decode and extend (prefill), with or without the residual (LoR
 A program owns (KV head h, block of `block_q` query tokens, KV split, request b). Its query rows
 are the `block_q x Gp` (token-major, head-minor) query heads of that KV head's group, so every
 K/V tile it loads is shared by the whole GQA group. It walks the request's page table in blocks
-of `block_k` tokens (whole pages) and keeps an online softmax.
+of `block_k` tokens (whole pages) and keeps an online softmax. Pools are seen as flat token rows
+[P*S, D] and each block is one 2-D gather of `block_k` rows (row = page id * S + offset): Triton
+then stages K/V straight into shared memory in the MMA's layout (a [pages, S, D] load needed a
+register reshape: the unified kernel took 404 instead of 255 µs at B=32, L=8k on the H200).
 
 Residual reconstruction (the `residual=True` path), per block of keys at positions p0 + i:
 
@@ -31,15 +34,19 @@ A operand and P stays in its score layout. Defaults for block sizes are the fast
 sweeps recorded in BENCHMARKS.md.
 
 Split-K (flash-decoding): each program writes an unnormalised partial (o, m, l [, acc_r]) for
-its slice of the sequence and a small jnp step combines them (`acc_r` combines like `o`: the
-B_v product is linear). Without the residual and with one split the kernel normalises itself.
+its share of the key blocks (every k_splits-th block, so a sequence much shorter than its page
+table still spreads over all splits) and a small jnp step combines them (`acc_r` combines like
+`o`: the B_v product is linear). Without the residual and with one split the kernel normalises
+itself.
 
 Extend layout (chosen for a padded batch of prefill chunks): q [B, T, Hq, D] padded per request;
 request b has `prefix_lengths[b]` cached tokens before the chunk and `chunk_lengths[b]` new
 tokens; new token t sits at position prefix_lengths[b] + t and attends causally to positions
 0 .. prefix_lengths[b] + t. K/V of the new tokens are read from the pools: the engine writes them
 before calling. Rows t >= chunk_lengths[b] of the output are zero. A long prompt is prefilled
-chunk after chunk by raising prefix_lengths.
+chunk after chunk by raising prefix_lengths. Residual extend has a second, default path for
+long chunks (`materialize`, see `residual_attention_extend`): merged K/V rebuilt in HBM by XLA,
+then the unified kernel.
 
 Page tables: entries past a sequence's last page must still be valid page ids (0, the padding
 sink, is fine): whole blocks of pages are loaded and masked afterwards. Unused slots may hold
@@ -82,9 +89,9 @@ def _attention_kernel(
     q_ref,  # [rows, Dp]            query rows (token-major, head-minor), RoPE applied
     q1_ref,  # [rows, Hp]           first rotate-half half of q (residual only)
     q2_ref,  # [rows, Hp]           second half
-    kb_ref,  # [P, S, Dp] or [L, P, S, Dp]  base keys of this KV head
+    kb_ref,  # [P*S, Dp] or [L, P*S, Dp]  base keys of this KV head (flat token rows)
     vb_ref,  # same                 base values
-    kr_ref,  # [Pr, S, Rp] or [L, Pr, S, Rp]  residual key activations (residual only)
+    kr_ref,  # [Pr*S, Rp] or [L, Pr*S, Rp]  residual key activations (residual only)
     vr_ref,  # same                 residual value activations (residual only)
     bpt_ref,  # [Mp] int32          base page table of this request
     rpt_ref,  # [Mp] int32          residual page table (residual only)
@@ -95,18 +102,17 @@ def _attention_kernel(
     bk2_ref,  # [Rp, Hp]            B_k columns of the second half
     blkc_ref,  # [NB, Hp] f32       cos at each block start position
     blks_ref,  # [NB, Hp] f32       sin at each block start position
-    offc_ref,  # [block_k, Hp]      cos of the in-block offsets (pool dtype: fewer registers)
-    offs_ref,  # [block_k, Hp]      sin of the in-block offsets
+    offc_ref,  # [2, block_k, Hp]   cos of the in-block offsets, twice (see lora_scores)
+    offs_ref,  # [2, block_k, Hp]   sin of the in-block offsets, twice
     *out_refs,  # o [rows, Dp] normalised, or unnormalised o, m [rows], l [rows] (+ o_r [rows, Rp])
     block_q: int,
     gp: int,
     block_k: int,
     page_size: int,
-    split_len: int,
+    k_splits: int,
     scale: float,
     residual: bool,
     normalize: bool,
-    rope_in_loop: bool,
     reconstruct_k: bool,
     swap_ab: bool,
     skip_k_lora: bool = False,  # benchmarking only: drop the K reconstruction (wrong output)
@@ -124,10 +130,13 @@ def _attention_kernel(
     q0 = prefix + qb * block_q  # position of the block's first query token
     kv_end = jnp.minimum(q0 + block_q, total)  # no row sees a key at or past this
     full_end = jnp.minimum(q0 + 1, total)  # every row sees every key below this
-    split_lo = ks * split_len
-    kb_lo = split_lo // block_k
-    kb_hi = pl.cdiv(jnp.minimum(split_lo + split_len, kv_end), block_k)
-    kb_full = jnp.maximum(kb_lo, jnp.minimum(full_end // block_k, kb_hi))
+    # Split ks takes key blocks ks, ks + k_splits, ks + 2 k_splits, ... (strided, so the splits
+    # stay balanced whatever the length: page tables span max_model_len, sequences rarely do).
+    kb_end = pl.cdiv(kv_end, block_k)  # blocks some row sees
+    kb_full = jnp.minimum(full_end // block_k, kb_end)  # blocks every row sees whole
+    n_unmasked = pl.cdiv(jnp.maximum(kb_full - ks, 0), k_splits)
+    first_masked = kb_full + lax.rem(ks - lax.rem(kb_full, k_splits) + k_splits, k_splits)
+    n_masked = pl.cdiv(jnp.maximum(kb_end - first_masked, 0), k_splits)
 
     # Orientation: scores as [rows, keys] or, with swap_ab, [keys, rows] (keys on the M side of
     # every MMA: better tiles for the 16-row decode block, and the reconstructed tile enters
@@ -145,22 +154,21 @@ def _attention_kernel(
 
     if residual:
         rp = bk1_ref.shape[0]
-        q1 = q1_ref[...].astype(f32)
-        q2 = q2_ref[...].astype(f32)
-        bk1, bk2 = bk1_ref[...], bk2_ref[...]
-        if reconstruct_k:
-            q1_op, q2_op = rows_t(q1.astype(dt)), rows_t(q2.astype(dt))
-        if not rope_in_loop:  # loop-invariant, kept in the pool dtype (registers)
-            offc_inv, offs_inv = offc_ref[...], offs_ref[...]
     q_idx = q0 + lax.div(lax.broadcasted_iota(jnp.int32, sshape, rax), gp)
     kv_iota = lax.broadcasted_iota(jnp.int32, sshape, kax)
     kv_iota_col = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
 
     if layer_ref is not None:
         lyr = layer_ref[()]
-        load_pages = lambda ref, ids: ref[lyr, ids]  # noqa: E731
+        load_rows = lambda ref, rows_: ref[lyr, rows_]  # noqa: E731
     else:
-        load_pages = lambda ref, ids: ref[ids]  # noqa: E731
+        load_rows = lambda ref, rows_: ref[rows_]  # noqa: E731
+    # Token-row gather: pools are flat [P * S, X]; each key row's address comes from its page id
+    # (read once per row from the page table, an L1 hit). A 2-D [block_k, X] load lets Triton
+    # stage K/V in shared memory in the MMA's layout (a [pages, S, X] load had to be reshaped in
+    # registers, and the pipeliner then prefetched V into registers).
+    slot_iota = lax.div(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
+    in_page = lax.rem(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
 
     def lora_scores(kb, rk):
         """q . RoPE_t(rK_t @ B_k) for the block's keys, in the chosen orientation.
@@ -168,25 +176,27 @@ def _attention_kernel(
         rotate-half in halves: RoPE(y) = (y1 c - y2 s, y2 c + y1 s), so each half of y is
         computed once ([block_k, D/2] tiles, half-width tables) instead of y and rotate(y).
         """
-        y1 = dot(rk, bk1)  # [block_k, Hp] f32
-        y2 = dot(rk, bk2)
-        if rope_in_loop:
-            oc, os_ = offc_ref[...].astype(f32), offs_ref[...].astype(f32)
-        else:
-            oc, os_ = offc_inv.astype(f32), offs_inv.astype(f32)
+        y1 = dot(rk, bk1_ref[...])  # [block_k, Hp] f32
+        y2 = dot(rk, bk2_ref[...])
+        # Two identical copies of the offset table, indexed by kb % 2: the compiler cannot hoist
+        # the load out of the loop, where the table would hold registers for the loop's lifetime.
+        oc = offc_ref[kb % 2].astype(f32)
+        os_ = offs_ref[kb % 2].astype(f32)
         c0 = blkc_ref[pl.ds(kb, 1), :]  # [1, Hp] f32, position kb * block_k
         s0 = blks_ref[pl.ds(kb, 1), :]
+        q1 = q1_ref[...].astype(f32)  # [rows, Hp]
+        q2 = q2_ref[...].astype(f32)
         if reconstruct_k:  # absolute angles on the key side (angle addition)
             cos = c0 * oc - s0 * os_
             sin = s0 * oc + c0 * os_
             z1 = (y1 * cos - y2 * sin).astype(dt)
             z2 = (y2 * cos + y1 * sin).astype(dt)
-            return score(z1, q1_op) + score(z2, q2_op)
-        # In-block offset on the key side, block start on the query side: RoPE_{-p0}(q).
-        z1 = (y1 * oc - y2 * os_).astype(dt)
-        z2 = (y2 * oc + y1 * os_).astype(dt)
-        qr1 = (q1 * c0 + q2 * s0).astype(dt)
-        qr2 = (q2 * c0 - q1 * s0).astype(dt)
+            qr1, qr2 = q1.astype(dt), q2.astype(dt)
+        else:  # in-block offset on the key side, block start on the query side
+            z1 = (y1 * oc - y2 * os_).astype(dt)
+            z2 = (y2 * oc + y1 * os_).astype(dt)
+            qr1 = (q1 * c0 + q2 * s0).astype(dt)  # RoPE_{-p0}(q)
+            qr2 = (q2 * c0 - q1 * s0).astype(dt)
         return score(z1, rows_t(qr1)) + score(z2, rows_t(qr2))
 
     def pv(p, v):  # p in score orientation, v [block_k, X] -> [rows, X] ([X, rows] if swap_ab)
@@ -197,14 +207,14 @@ def _attention_kernel(
 
     def body(kb, carry, masked):
         o, o_r, m, l = carry
-        pages = pl.ds(kb * ppb, ppb)
-        ids = bpt_ref[pages]
-        k = load_pages(kb_ref, ids).reshape(block_k, dp)
+        slots = kb * ppb + slot_iota
+        rows_b = bpt_ref[slots] * page_size + in_page  # [block_k] rows of the flat base pool
+        k = load_rows(kb_ref, rows_b)
         s = score(k, q_op)
         if residual:
-            rids = rpt_ref[pages]
+            rows_r = rpt_ref[slots] * page_size + in_page
             if not skip_k_lora:
-                rk = load_pages(kr_ref, rids).reshape(block_k, rp)
+                rk = load_rows(kr_ref, rows_r)
                 s = s + lora_scores(kb, rk)
         s = s * scale
         if masked:
@@ -218,13 +228,13 @@ def _attention_kernel(
             p = jnp.where(vis, p, 0.0)
         l_new = alpha * l + jnp.sum(p, axis=kax)
         pd = p.astype(dt)
-        v = load_pages(vb_ref, ids).reshape(block_k, dp)
+        v = load_rows(vb_ref, rows_b)
         if masked:
             kv_ok = kb * block_k + kv_iota_col < total  # [block_k, 1]
             v = jnp.where(kv_ok, v, jnp.zeros_like(v))  # NaN in unused slots: 0 * NaN = NaN
         o_new = rescale(alpha, o) + pv(pd, v)
         if residual:  # acc_r: same rescale as acc; B_v waits for the end
-            rv = load_pages(vr_ref, rids).reshape(block_k, rp)
+            rv = load_rows(vr_ref, rows_r)
             if masked:
                 rv = jnp.where(kv_ok, rv, jnp.zeros_like(rv))
             o_r = rescale(alpha, o_r) + pv(pd, rv)
@@ -238,8 +248,9 @@ def _attention_kernel(
     m = jnp.full((rows,), MASK_VALUE, f32)
     l = jnp.zeros((rows,), f32)
     carry = (o, o_r, m, l)
-    carry = lax.fori_loop(kb_lo, kb_full, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(kb_full, kb_hi, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(0, n_unmasked, lambda i, c: body(ks + i * k_splits, c, False), carry)
+    carry = lax.fori_loop(0, n_masked, lambda i, c: body(first_masked + i * k_splits, c, True),
+                          carry)
     o, o_r, m, l = carry
     if swap_ab:
         o = o.T
@@ -292,7 +303,6 @@ def _paged_attention(
     num_warps,
     num_stages,
     interpret,
-    rope_in_loop=False,
     reconstruct_k=None,
     swap_ab=None,
     skip_k_lora=False,
@@ -340,10 +350,7 @@ def _paged_attention(
     if k_splits is None:
         k_splits = _default_splits(B * Hkv * n_qb, n_blocks)
     k_splits = max(1, min(k_splits, n_blocks))
-    blocks_per_split = -(-n_blocks // k_splits)
-    pages_per_split = blocks_per_split * ppb
-    m_pad = k_splits * pages_per_split
-    split_len = pages_per_split * S
+    m_pad = n_blocks * ppb
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
@@ -353,18 +360,19 @@ def _paged_attention(
     qx = q.astype(dt).reshape(B, T, Hkv, G, D)
     qx = jnp.pad(qx, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, dp - D)))
     qx = qx.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, dp)
-    kb = _pad_axis(k_base, -1, dp)
-    vb = _pad_axis(v_base, -1, dp)
+    # Flat [.., Hkv, P * S, Dp] views (free reshapes) for the kernel's token-row gather.
+    kb = _pad_axis(k_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
+    vb = _pad_axis(v_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
     bpt = _pad_axis(base_pages.astype(jnp.int32), 1, m_pad)
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     chunk_lengths = chunk_lengths.astype(jnp.int32)
 
     grid = (Hkv, n_qb, k_splits, B)
-    pool_block = (None, P, S, dp)
+    pool_block = (None, P * S, dp)
     if layered:
-        pool_spec = pl.BlockSpec((k_base.shape[0],) + pool_block, lambda h, i, j, b: (0, h, 0, 0, 0))
+        pool_spec = pl.BlockSpec((k_base.shape[0],) + pool_block, lambda h, i, j, b: (0, h, 0, 0))
     else:
-        pool_spec = pl.BlockSpec(pool_block, lambda h, i, j, b: (h, 0, 0, 0))
+        pool_spec = pl.BlockSpec(pool_block, lambda h, i, j, b: (h, 0, 0))
     q_spec = pl.BlockSpec((None, None, rows, dp), lambda h, i, j, b: (b, h, i, 0))
     pt_spec = pl.BlockSpec((None, m_pad), lambda h, i, j, b: (b, 0))
     per_req = pl.BlockSpec((None,), lambda h, i, j, b: (b,))
@@ -385,8 +393,9 @@ def _paged_attention(
         rp = max(16, _next_pow2(R))
         h = D // 2
         hp = max(16, _next_pow2(h))
-        kr = _pad_axis(k_res, -1, rp)
-        vr = _pad_axis(v_res, -1, rp)
+        Pr = k_res.shape[-3]
+        kr = _pad_axis(k_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
+        vr = _pad_axis(v_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
         rpt = _pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
         aid = adapter_ids.astype(jnp.int32)
         # Per (request, KV head) up-projections [B, Hkv, rp, *]: a gather of a few KB.
@@ -409,18 +418,19 @@ def _paged_attention(
 
         q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
         offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
-        offc, offs = _pad_axis(offc, -1, hp).astype(dt), _pad_axis(offs, -1, hp).astype(dt)
+        offc, offs = (jnp.broadcast_to(_pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
+                      for x in (offc, offs))
         n_kv_blocks = m_pad // ppb
         blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
         blkc, blks = _pad_axis(blkc, -1, hp), _pad_axis(blks, -1, hp)
         if layered:
-            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0, 0, 0))
+            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0, 0))
         else:
-            rpool_spec = pl.BlockSpec(kr.shape[-3:], lambda h, i, j, b: (0, 0, 0))
+            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0))
         up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
         qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
         blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
-        off_spec = pl.BlockSpec((block_k, hp), lambda h, i, j, b: (0, 0))
+        off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
         res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
         res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
                      blk_spec, blk_spec, off_spec, off_spec)
@@ -454,8 +464,7 @@ def _paged_attention(
                                        lambda h, i, j, b: (b, j, h, i, 0)),)
     kernel = functools.partial(
         _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
-        split_len=split_len, scale=scale, residual=residual, normalize=normalize,
-        rope_in_loop=rope_in_loop,
+        k_splits=k_splits, scale=scale, residual=residual, normalize=normalize,
         reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
         # Measured on the H200 (BENCHMARKS.md): swapped tiles pay off with the residual path only.
         swap_ab=(residual and rows <= 32) if swap_ab is None else swap_ab,
@@ -496,7 +505,7 @@ def _paged_attention(
 
 _STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
                           "interpret", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("rope_in_loop", "reconstruct_k")
+_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k",)
 _STATIC = _STATIC_DECODE + ("block_q",)
 _STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
 
@@ -528,7 +537,6 @@ def residual_attention_decode(
     k_splits=None,
     num_warps=None,
     num_stages=None,
-    rope_in_loop=False,  # tuning: reload the in-block RoPE table every block
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
 ):
@@ -539,11 +547,54 @@ def residual_attention_decode(
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
         sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        rope_in_loop=rope_in_loop, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
     return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+def _merge_pages(k_base, v_base, base_pages, res, layer):
+    """Rebuild merged K/V of each request's pages in HBM for the extend path.
+
+    -> k, v [Hkv, B*M, S, D] (pool dtype) and a page table [B, M] over them. K = bK + RoPE(rK B_k)
+    at each slot's position, V = bV + rV B_v, summed in float32 and rounded once.
+    """
+    k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+    B, M = base_pages.shape
+    Hkv, _, S, D = k_base.shape[-4:]
+    h = D // 2
+    f32 = jnp.float32
+
+    def gather(pool, pages):  # one gather, also from a layered pool (never copies a layer)
+        if pool.ndim == k_base.ndim:  # [(L,) Hkv, P, S, D] -> [B, M, Hkv, S, D]
+            return pool[layer, :, pages] if layer is not None else pool[:, pages].transpose(
+                1, 2, 0, 3, 4)
+        return pool[layer, pages] if layer is not None else pool[pages]  # [B, M, S, R]
+
+    hi = lax.Precision.HIGHEST
+    y = jnp.einsum("bmsr,brhd->bmhsd", gather(k_res, res_pages).astype(f32),
+                   b_k[adapter_ids].astype(f32), precision=hi)
+    c, s = rope_cos_sin(jnp.arange(M * S), inv_freq)  # [M*S, D/2]
+    c, s = c.reshape(M, 1, S, h), s.reshape(M, 1, S, h)
+    y1, y2 = y[..., :h], y[..., h:]
+    k = gather(k_base, base_pages).astype(f32) + jnp.concatenate(
+        [y1 * c - y2 * s, y2 * c + y1 * s], axis=-1)
+    v = gather(v_base, base_pages).astype(f32) + jnp.einsum(
+        "bmsr,brhd->bmhsd", gather(v_res, res_pages).astype(f32),
+        b_v[adapter_ids].astype(f32), precision=hi)
+
+    def pages_of(x):  # [B, M, Hkv, S, D] -> [Hkv, B*M, S, D]
+        return x.astype(k_base.dtype).transpose(2, 0, 1, 3, 4).reshape(Hkv, B * M, S, D)
+
+    return pages_of(k), pages_of(v), jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
+
+
+# The materialising extend path (below) is taken for chunks of at least MATERIALIZE_MIN_TOKENS
+# tokens when the page tables span at most MATERIALIZE_MAX_SLOTS token slots in all (the scratch
+# holds every slot the tables span: B * M * S * Hkv * D elements for K and for V).
+MATERIALIZE_MIN_TOKENS = 64
+MATERIALIZE_MAX_SLOTS = 65536
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("materialize",))
 def residual_attention_extend(
     q,  # [B, T, Hq, D]   queries of the new tokens, RoPE applied, padded per request
     k_base,  # [Hkv, P, S, D]  (new tokens already written)
@@ -567,17 +618,32 @@ def residual_attention_extend(
     k_splits=None,
     num_warps=None,
     num_stages=None,
-    rope_in_loop=False,  # tuning: reload the in-block RoPE table every block
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
+    materialize=None,  # rebuild merged K/V in HBM first (default: see MATERIALIZE_*)
 ):
-    """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D]."""
+    """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D].
+
+    Two ways, same result. A prefill chunk is compute-bound: T queries share every key, so
+    rebuilding the merged K/V of the requests' pages in HBM (O(L) bytes, tiny next to the
+    O(T L) attention FLOPs) and running the unified kernel over them beats rebuilding each key
+    on chip once per query block. Short chunks reconstruct on chip (no scratch, no extra pass).
+    """
+    res = (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq)
+    if materialize is None:
+        materialize = (q.shape[1] >= MATERIALIZE_MIN_TOKENS
+                       and base_pages.size * k_base.shape[-2] <= MATERIALIZE_MAX_SLOTS)
+    if materialize:
+        k, v, pages = _merge_pages(k_base, v_base, base_pages, res, layer)
+        return _paged_attention(
+            q, k, v, pages, prefix_lengths, chunk_lengths, None, None, sm_scale=sm_scale,
+            block_q=block_q, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+            num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
     return _paged_attention(
-        q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths,
-        (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
+        q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths, res, layer,
         sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        rope_in_loop=rope_in_loop, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED_DECODE)
