@@ -212,6 +212,17 @@ def test_decode_ranks_and_gqa(r, group, dtype):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("group,r,dtype", [(4, 16, np.float32), (8, 8, np.float32),
+                                           (1, 4, np.float32), (4, 16, jnp.bfloat16)])
+def test_decode_project_k(group, r, dtype):
+    """The rotation-free K-LoRA formulation (project_k) matches the float64 model."""
+    c = decode_case(12, [1, 37, 513, 512, 16, 48], group=group, r=r, dtype=dtype,
+                    d=128 if dtype == jnp.bfloat16 else 64)
+    out = run_decode(c, k_splits=2, project_k=True)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < TOL[dtype], err
+
+
 def test_decode_odd_head_dim():
     """head_dim 40 (not a power of two) goes through zero padding."""
     c = decode_case(2, [5, 37], d=40, r=4, group=2, dtype=np.float32)
@@ -219,12 +230,14 @@ def test_decode_odd_head_dim():
     assert err < 1e-3, err
 
 
-def test_decode_rope_far_from_zero():
+@pytest.mark.parametrize("project_k", [False, True])
+def test_decode_rope_far_from_zero(project_k):
     """Positions around 30k, peaked softmax: an error in the deferred RoPE shows up here."""
     c = decode_case(3, [30037], hkv=1, group=4, s=32, lora_scale=2.0, dtype=np.float32,
                     rope_base=500000.0)
     # Big blocks keep the interpreted loop short; on the GPU they would not fit shared memory.
-    out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4)
+    out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4,
+                     project_k=project_k)
     err = rel_err(out[:, None], np_attention(c, sm_scale=0.5), c.chunk)
     assert err < 1e-3, err
 

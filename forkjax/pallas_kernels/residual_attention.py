@@ -27,6 +27,11 @@ online-softmax factor, and B_v is applied once, after the loop: the kernel write
 (r wide) and the split combine computes (acc + acc_r @ B_v) / l. (Doing that small dot inside
 the kernel raised its register count to the limit and cost a third of its occupancy.)
 
+`project_k=True` (decode, a tuning option not yet measured on the GPU) needs no rotation in the
+loop at all: q . RoPE_t(rK_t B_k) = sum_r rK[t, r] W[t, (g, r)] with W = E_t @ A, where E_t is
+(cos | sin) at the key's absolute position (one table for every program) and A is built per
+request and head from q and B_k outside the kernel (see `projected_lora_scores`).
+
 `swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
 the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
 (64-128 instead of the 16 query rows), the reconstructed tile feeds the MMA from registers as its
@@ -104,6 +109,8 @@ def _attention_kernel(
     blks_ref,  # [NB, Hp] f32       sin at each block start position
     offc_ref,  # [2, block_k, Hp]   cos of the in-block offsets, twice (see lora_scores)
     offs_ref,  # [2, block_k, Hp]   sin of the in-block offsets, twice
+    e_ref,  # [NB*block_k, 2Hp]     (cos | sin) at every position (project_k only)
+    a_ref,  # [2Hp, Gq*Rp]          q-side LoRA key projection of this request and head (project_k)
     *out_refs,  # o [rows, Dp] normalised, or unnormalised o, m [rows], l [rows] (+ o_r [rows, Rp])
     block_q: int,
     gp: int,
@@ -115,6 +122,7 @@ def _attention_kernel(
     normalize: bool,
     reconstruct_k: bool,
     swap_ab: bool,
+    project_k: bool,
     skip_k_lora: bool = False,  # benchmarking only: drop the K reconstruction (wrong output)
 ):
     qb, ks = pl.program_id(1), pl.program_id(2)
@@ -170,6 +178,23 @@ def _attention_kernel(
     slot_iota = lax.div(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
     in_page = lax.rem(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
 
+    def projected_lora_scores(kb, rk):
+        """q . RoPE_t(rK_t @ B_k) with no rotation in the loop (`project_k`, decode, [keys, rows]).
+
+        q . RoPE_t(y) = sum_d c_d(t) (q1 y1 + q2 y2)_d + s_d(t) (q2 y1 - q1 y2)_d, and y = rK B_k,
+        so the score is sum_r rK[t, r] W[t, (g, r)] with W = E_t @ A: E_t = (cos | sin) at the
+        key's absolute position (a table shared by every program, L2-resident) and A [2Hp, Gq*Rp]
+        built per request and head outside the kernel from q and B_k. One MMA and a rank-wide
+        reduction replace the y tiles, their rotation and two score MMAs.
+        """
+        gq = a_ref.shape[1] // rk.shape[1]
+        e = e_ref[pl.ds(kb * block_k, block_k), :]  # [block_k, 2Hp]
+        w = dot(e, a_ref[...]).reshape(block_k, gq, rk.shape[1])  # [block_k, Gq, Rp] f32
+        s_g = jnp.sum(w * rk.astype(f32)[:, None, :], axis=2)  # [block_k, Gq]
+        # Rows are (head) padded to `rows`; the padding rows' outputs are dropped, so they may
+        # repeat the real ones (finite, no concatenate needed).
+        return jnp.broadcast_to(s_g[:, None, :], (block_k, rows // gq, gq)).reshape(block_k, rows)
+
     def lora_scores(kb, rk):
         """q . RoPE_t(rK_t @ B_k) for the block's keys, in the chosen orientation.
 
@@ -215,7 +240,7 @@ def _attention_kernel(
             rows_r = rpt_ref[slots] * page_size + in_page
             if not skip_k_lora:
                 rk = load_rows(kr_ref, rows_r)
-                s = s + lora_scores(kb, rk)
+                s = s + (projected_lora_scores if project_k else lora_scores)(kb, rk)
         s = s * scale
         if masked:
             kv = kb * block_k + kv_iota
@@ -305,6 +330,7 @@ def _paged_attention(
     interpret,
     reconstruct_k=None,
     swap_ab=None,
+    project_k=False,
     skip_k_lora=False,
 ):
     layered = k_base.ndim == 5
@@ -338,6 +364,8 @@ def _paged_attention(
     if block_q * gp < 16:
         gp = 16 // block_q
     rows = block_q * gp
+    if swap_ab is None:  # measured on the H200 (BENCHMARKS.md): pays off with the residual only
+        swap_ab = residual and rows <= 32
     t_pad = -(-T // block_q) * block_q
     n_qb = t_pad // block_q
     dp = max(16, _next_pow2(D))
@@ -417,6 +445,25 @@ def _paged_attention(
             return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
 
         q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
+        if project_k:
+            if block_q != 1 or not swap_ab:
+                raise ValueError("project_k is for decode with swap_ab (one query token)")
+            # A[b, h] = [A_c; A_s] [2hp, gq*rp]: A_c[d, (g, r)] = q1 B1 + q2 B2, A_s = q2 B1 - q1 B2
+            gq = _next_pow2(G)
+            f32 = jnp.float32
+            qg = jnp.pad(qh[:, 0].astype(f32), ((0, 0), (0, 0), (0, gq - G), (0, 0)))
+            qa = _pad_axis(qg[..., :h], -1, hp)[:, :, :, None, :]  # [B, Hkv, gq, 1, hp]
+            qb = _pad_axis(qg[..., h:], -1, hp)[:, :, :, None, :]
+            b1 = bk1.astype(f32)[:, :, None]  # [B, Hkv, 1, rp, hp]
+            b2 = bk2.astype(f32)[:, :, None]
+            a_proj = jnp.concatenate([qa * b1 + qb * b2, qb * b1 - qa * b2], axis=-1)
+            a_proj = a_proj.transpose(0, 1, 4, 2, 3).reshape(B, Hkv, 2 * hp, gq * rp).astype(dt)
+            ec, es = rope_cos_sin(jnp.arange(m_pad * S), inv_freq)  # [positions, h]
+            e_tab = jnp.concatenate([_pad_axis(ec, -1, hp), _pad_axis(es, -1, hp)], -1).astype(dt)
+            e_spec = pl.BlockSpec(e_tab.shape, lambda h, i, j, b: (0, 0))
+            a_spec = pl.BlockSpec((None, None, 2 * hp, gq * rp), lambda h, i, j, b: (b, h, 0, 0))
+        else:
+            e_tab = a_proj = e_spec = a_spec = None
         offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
         offc, offs = (jnp.broadcast_to(_pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
                       for x in (offc, offs))
@@ -431,16 +478,16 @@ def _paged_attention(
         qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
         blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
         off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
-        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
+        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj)
         res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
-                     blk_spec, blk_spec, off_spec, off_spec)
+                     blk_spec, blk_spec, off_spec, off_spec, e_spec, a_spec)
     else:
         rp = 0
-        res_args = (None,) * 11
-        res_specs = (None,) * 11
-    (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs) = res_args
+        res_args = (None,) * 13
+        res_specs = (None,) * 13
+    (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj) = res_args
     (q1_spec, q2_spec, kr_spec, vr_spec, rpt_spec, bk1_spec, bk2_spec,
-     blkc_spec, blks_spec, offc_spec, offs_spec) = res_specs
+     blkc_spec, blks_spec, offc_spec, offs_spec, e_spec, a_spec) = res_specs
 
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     normalize = k_splits == 1 and not residual
@@ -466,23 +513,21 @@ def _paged_attention(
         _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
         k_splits=k_splits, scale=scale, residual=residual, normalize=normalize,
         reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
-        # Measured on the H200 (BENCHMARKS.md): swapped tiles pay off with the residual path only.
-        swap_ab=(residual and rows <= 32) if swap_ab is None else swap_ab,
-        skip_k_lora=skip_k_lora)
+        swap_ab=swap_ab, project_k=bool(project_k) and residual, skip_k_lora=skip_k_lora)
     name = f"{'residual' if residual else 'unified'}_attention_bq{block_q}_bk{block_k}_ks{k_splits}"
     out = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[q_spec, q1_spec, q2_spec, pool_spec, pool_spec, kr_spec, vr_spec, pt_spec,
                   rpt_spec, per_req, per_req, None if layer is None else scalar,
-                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec],
+                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec, e_spec, a_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(qx, q1, q2, kb, vb, kr, vr, bpt, rpt, prefix_lengths, chunk_lengths, layer_arr,
-      bk1, bk2, blkc, blks, offc, offs)
+      bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj)
 
     if not normalize:
         o, m, l = out[:3]
@@ -505,8 +550,8 @@ def _paged_attention(
 
 _STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
                           "interpret", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k",)
-_STATIC = _STATIC_DECODE + ("block_q",)
+_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "project_k")
+_STATIC = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "block_q")
 _STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
 
 
@@ -539,6 +584,7 @@ def residual_attention_decode(
     num_stages=None,
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
+    project_k=False,  # tuning: K LoRA scores as (cos|sin table) @ A, no rotation in the loop
 ):
     """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3)."""
     lengths = lengths.astype(jnp.int32)
@@ -547,7 +593,7 @@ def residual_attention_decode(
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
         sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+        reconstruct_k=reconstruct_k, swap_ab=swap_ab, project_k=project_k)
     return out[:, 0]
 
 
