@@ -132,6 +132,9 @@ class EngineConfig:
     max_batch_size: int | None = None
     max_lora_rank: int | None = None
     max_loras: int = 8  # adapter slots held on the device at once (slot 0 is the bare base model)
+    # Projections that carry LoRA slots (k_proj and v_proj always). None: the modules the
+    # adapters given at start target, or all seven when none are given.
+    lora_target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.cache_policy not in CACHE_POLICIES:

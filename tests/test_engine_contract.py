@@ -83,6 +83,35 @@ def test_load_replace_and_unload_adapter(tiny, hf_suite):
         tiny.load_adapter("alien", hf_suite["llama"][1]["qkvo8"])
 
 
+def test_lora_target_modules_are_inferred_and_enforced():
+    from forkjax.config import ModelConfig
+    from forkjax.lora.slots import lora_modules
+    from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+    from forkjax.models.transformer import LORA_TARGETS
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+    attn_only = {"a": random_adapter("a", cfg, 8, 16, ("q_proj", "o_proj"), seed=5)}
+    kw = dict(SMALL, adapters=attn_only, dtype="float32", cache_policy="prefix")
+    lean = forkjax.Engine.from_pretrained("tiny-llama", **kw)
+    assert lora_modules(lean.model) == ("q_proj", "k_proj", "v_proj", "o_proj")  # + the residual's
+    full = forkjax.Engine.from_pretrained("tiny-llama", lora_target_modules=LORA_TARGETS, **kw)
+    assert lora_modules(full.model) == LORA_TARGETS
+    np.testing.assert_allclose(lean.score("The plan is", adapter="a"),
+                               full.score("The plan is", adapter="a"), rtol=1e-5, atol=1e-5)
+    mlp = random_adapter("mlp", cfg, 4, 4, ("down_proj",), seed=6)
+    with pytest.raises(ValueError, match="lora_target_modules"):
+        lean.load_adapter("mlp", mlp)
+    assert "mlp" not in lean.slots.by_name
+    assert len(lean.generate(["ok"], adapters="a", max_new_tokens=2)[0]) == 2
+    full.load_adapter("mlp", mlp)
+    assert not np.allclose(full.score("ok", adapter="mlp"), full.score("ok"))
+    with pytest.raises(ValueError, match="not supported"):
+        forkjax.Engine.from_pretrained("tiny-llama", adapters={}, lora_target_modules=["lm_head"],
+                                       **SMALL)
+    with pytest.raises(ValueError, match="targets"):
+        forkjax.Engine.from_pretrained("tiny-llama", adapters={"m": mlp},
+                                       lora_target_modules=["q_proj"], **SMALL)
+
+
 def test_tiny_qwen2_and_policies():
     for policy in ("forkkv", "prefix", "full_reuse", "lrshared"):
         e = forkjax.Engine.from_pretrained("tiny-qwen2", cache_policy=policy, adapters={}, **SMALL)

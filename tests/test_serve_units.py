@@ -226,3 +226,10 @@ def test_abort_finishes_the_request(loop):
     fut.result(5)
     loop.abort([handle])
     assert sink.done.wait(5) and sink.outputs[-1].finish_reason == "abort"
+
+
+def test_cli_lora_target_modules_reaches_the_engine():
+    """A bad --lora-target-modules stops the server at start with the engine's message."""
+    from forkjax.serve import main
+    with pytest.raises(SystemExit, match="lm_head.*not supported"):
+        main(["--lora-target-modules", "q_proj", "lm_head", "--kv-cache-bytes", "32M"])

@@ -22,7 +22,7 @@ from forkjax.engine.model_runner import ModelRunner
 from forkjax.engine.scheduler import ScheduledBatch, Scheduler
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
-from forkjax.lora.slots import AdapterSlots, slot_rank, write_slot
+from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
 
@@ -58,14 +58,19 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model, adapters=None, cache_policy="forkkv", dtype="bfloat16",
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
-                        max_lora_rank=None, *, max_loras: int = 8, seed: int = 0, **engine_kwargs):
+                        max_lora_rank=None, *, max_loras: int = 8, seed: int = 0,
+                        lora_target_modules=None, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
+        `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
+        adapters target, all seven without any; adapters loaded later must fit in them).
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress) go to
         the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
-                           max_lora_rank=max_lora_rank, max_loras=max_loras)
+                           max_lora_rank=max_lora_rank, max_loras=max_loras,
+                           lora_target_modules=None if lora_target_modules is None
+                           else tuple(lora_target_modules))
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
         if cache_policy == "lrshared":
             _check_lrshared(loaded)
@@ -80,6 +85,7 @@ class Engine:
         """Add or replace adapter `name` (PEFT dir or `LoraAdapter`). Requests already running on
         a replaced adapter finish first; new ones see the new weights and a new cache identity."""
         adapter = read_adapters({name: path}, self.model_cfg)[0]
+        check_fits(self.model, adapter)  # before draining anything
         if self.config.cache_policy == "lrshared":
             others = [a for n, (_, a) in self.slots.by_name.items() if n != name]
             _check_lrshared(others + [adapter])

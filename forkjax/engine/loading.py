@@ -10,6 +10,7 @@ from forkjax.config import EngineConfig, ModelConfig
 from forkjax.lora.peft import LoraAdapter, load_peft_adapter
 from forkjax.models.builtin import BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin
 from forkjax.models.loader import load_checkpoint
+from forkjax.models.transformer import ALWAYS_LORA, LORA_TARGETS
 from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -24,14 +25,16 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
             adapters = demo_adapters(model_cfg)
         loaded = read_adapters(adapters or {}, model_cfg)
         _, net = load_builtin(model, num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank),
-                              dtype=dtype, seed=seed)
+                              dtype=dtype, seed=seed,
+                              lora_targets=lora_targets(loaded, cfg.lora_target_modules))
         return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         path = os.fspath(model)
         model_cfg = ModelConfig.from_hf(path)
         loaded = read_adapters(adapters or {}, model_cfg)
         _, net = load_checkpoint(path, num_slots=cfg.max_loras,
-                                 rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype)
+                                 rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype,
+                                 lora_targets=lora_targets(loaded, cfg.lora_target_modules))
         return model_cfg, net, load_tokenizer(path), loaded
     raise ValueError(f"model={model!r}: not a checkpoint directory nor a built-in model "
                      f"({', '.join(BUILTIN_CONFIGS)})")
@@ -46,6 +49,27 @@ def read_adapters(adapters, model_cfg: ModelConfig) -> list[LoraAdapter]:
         else:
             out.append(load_peft_adapter(name, os.fspath(src), model_cfg))
     return out
+
+
+def lora_targets(adapters: list[LoraAdapter], requested) -> tuple[str, ...]:
+    """Projections that get LoRA slots: `requested`, else what the start-up adapters target (as
+    SGLang infers --lora-target-modules), else all; k_proj and v_proj always (the residual)."""
+    if requested is not None:
+        bad = sorted(set(requested) - set(LORA_TARGETS))
+        if bad:
+            raise ValueError(f"lora_target_modules: {bad} not supported "
+                             f"(supported: {', '.join(LORA_TARGETS)})")
+        want = set(requested)
+    elif adapters:
+        want = {module for a in adapters for (_, module) in a.weights}
+    else:
+        want = set(LORA_TARGETS)
+    for a in adapters:
+        missing = sorted({module for (_, module) in a.weights} - want - set(ALWAYS_LORA))
+        if missing:
+            raise ValueError(f"adapter {a.name!r} targets {missing}, not in "
+                             f"lora_target_modules={sorted(want)}")
+    return tuple(t for t in LORA_TARGETS if t in want or t in ALWAYS_LORA)
 
 
 def _rank_cap(adapters: list[LoraAdapter], max_lora_rank) -> int:

@@ -21,18 +21,35 @@ def _projection(model, layer: int, module: str):
 
 def slot_rank(model) -> int:
     """R: the rank every slot is padded to."""
-    return model.layers[0].self_attn.q_proj.lora_a.get_value().shape[-1]
+    return model.layers[0].self_attn.k_proj.lora_a.get_value().shape[-1]
+
+
+def lora_modules(model) -> tuple[str, ...]:
+    """The projections of `model` that carry LoRA slots."""
+    return tuple(m for m in TARGETS if _projection(model, 0, m).lora_a is not None)
+
+
+def check_fits(model, adapter: LoraAdapter):
+    """ValueError unless `adapter` fits the slots of `model` (rank and targeted projections)."""
+    rank_cap = slot_rank(model)
+    if adapter.rank > rank_cap:
+        raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {rank_cap}")
+    modules = lora_modules(model)
+    missing = sorted({m for (_, m) in adapter.weights} - set(modules))
+    if missing:
+        raise ValueError(f"adapter {adapter.name!r} targets {missing}, but this engine has LoRA "
+                         f"slots only on {list(modules)} (lora_target_modules is set at start)")
 
 
 def write_slot(model, slot: int, adapter: LoraAdapter | None):
     """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`."""
     if slot == BASE_SLOT and adapter is not None:
         raise ValueError("slot 0 is reserved for the bare base model")
-    rank_cap = slot_rank(model)
-    if adapter is not None and adapter.rank > rank_cap:  # before anything is overwritten
-        raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {rank_cap}")
+    if adapter is not None:
+        check_fits(model, adapter)  # before anything is overwritten
+    modules = lora_modules(model)
     for layer in range(len(model.layers)):
-        for module in TARGETS:
+        for module in modules:
             proj = _projection(model, layer, module)
             a_all, b_all = proj.lora_a.get_value(), proj.lora_b.get_value()
             a = np.zeros(a_all.shape[1:], np.float32)

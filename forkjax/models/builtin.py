@@ -68,10 +68,12 @@ def random_weight(seed: int, name: str, shape, dtype):
     return (jax.random.normal(_seed(seed, name), shape, jnp.float32) * std).astype(dtype)
 
 
-def load_builtin(name: str, *, num_slots: int, rank: int, dtype, seed: int = 0, progress=False):
+def load_builtin(name: str, *, num_slots: int, rank: int, dtype, seed: int = 0, progress=False,
+                 lora_targets=TARGETS):
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[name])
     get = lambda n, shape, dt: random_weight(seed, n, shape, dt)  # noqa: E731
-    return cfg, build_model(cfg, get, num_slots=num_slots, rank=rank, dtype=dtype, progress=progress)
+    return cfg, build_model(cfg, get, num_slots=num_slots, rank=rank, dtype=dtype, progress=progress,
+                            lora_targets=lora_targets)
 
 
 def random_adapter(name: str, cfg: ModelConfig, rank: int, alpha: float, targets, seed: int) -> LoraAdapter:

@@ -77,15 +77,16 @@ class LoRALinear(nnx.Module):
     `lora_a` [N, in, R] and `lora_b` [N, R, out] hold N adapter slots (slot 0 is the bare base
     model and stays zero), ranks zero-padded to R, the LoRA scale folded into `lora_b`.
     `__call__` returns the pair (xW + b, xA): K and V keep it (the cache stores the parts apart);
-    `merged` adds xA·B at once for the other projections.
+    `merged` adds xA·B at once for the other projections. With `lora=False` (a projection no
+    adapter may target, see `lora_target_modules`) it is a plain linear layer: no slots, no work.
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, num_slots: int, rank: int, dtype,
-                 precision=None):
+                 precision=None, lora: bool = True):
         self.weight = nnx.Param(jnp.zeros((d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
-        self.lora_a = nnx.Param(jnp.zeros((num_slots, d_in, rank), dtype))
-        self.lora_b = nnx.Param(jnp.zeros((num_slots, rank, d_out), dtype))
+        self.lora_a = nnx.Param(jnp.zeros((num_slots, d_in, rank), dtype)) if lora else None
+        self.lora_b = nnx.Param(jnp.zeros((num_slots, rank, d_out), dtype)) if lora else None
         self.precision = precision
 
     def __call__(self, x, group_sizes):
@@ -99,5 +100,8 @@ class LoRALinear(nnx.Module):
         return lora_expand(xa, self.lora_b[...], group_sizes, self.precision)
 
     def merged(self, x, group_sizes):
+        if self.lora_a is None:
+            return linear(x, self.weight[...], self.precision,
+                          None if self.bias is None else self.bias[...])
         y, xa = self(x, group_sizes)
         return y + self.expand(xa, group_sizes)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from forkjax.config import ModelConfig
 from forkjax.models.layers import rope_inv_freq
-from forkjax.models.transformer import CausalLM
+from forkjax.models.transformer import LORA_TARGETS, CausalLM
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -40,9 +40,10 @@ def hf_name(path: tuple) -> str:
 
 
 def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
-                progress: bool = False) -> CausalLM:
+                progress: bool = False, lora_targets=LORA_TARGETS) -> CausalLM:
     """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype))
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
+                                               lora_targets=lora_targets))
     graphdef, state = nnx.split(abstract)
     flat = []
     for path, var in tqdm(list(nnx.to_flat_state(state)), desc="loading weights",
@@ -78,7 +79,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 
 def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
-                    progress: bool = True) -> tuple[ModelConfig, CausalLM]:
+                    progress: bool = True, lora_targets=LORA_TARGETS) -> tuple[ModelConfig, CausalLM]:
     """Load `model_dir` (config.json + safetensors, single or sharded) strictly."""
     cfg = ModelConfig.from_hf(model_dir)
     where = checkpoint_files(model_dir)
@@ -111,7 +112,7 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
             return jnp.zeros((), dt)
 
     model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
-                        progress=progress)
+                        lora_targets=lora_targets, progress=progress)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s): "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

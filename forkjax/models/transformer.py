@@ -22,6 +22,8 @@ from forkjax.config import ModelConfig
 from forkjax.models.layers import LoRALinear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The cache stores xA of k and v as the residual: those two always carry LoRA slots.
+ALWAYS_LORA = ("k_proj", "v_proj")
 
 
 @jax.tree_util.register_dataclass
@@ -39,12 +41,12 @@ AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, **lora):
+    def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
         d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = LoRALinear(d, cfg.q_size, bias=bias, **lora)
+        self.q_proj = LoRALinear(d, cfg.q_size, bias=bias, lora="q_proj" in targets, **lora)
         self.k_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
         self.v_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
-        self.o_proj = LoRALinear(cfg.q_size, d, bias=False, **lora)
+        self.o_proj = LoRALinear(cfg.q_size, d, bias=False, lora="o_proj" in targets, **lora)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
@@ -61,11 +63,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, **lora):
+    def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = LoRALinear(d, f, bias=False, **lora)
-        self.up_proj = LoRALinear(d, f, bias=False, **lora)
-        self.down_proj = LoRALinear(f, d, bias=False, **lora)
+        self.gate_proj = LoRALinear(d, f, bias=False, lora="gate_proj" in targets, **lora)
+        self.up_proj = LoRALinear(d, f, bias=False, lora="up_proj" in targets, **lora)
+        self.down_proj = LoRALinear(f, d, bias=False, lora="down_proj" in targets, **lora)
 
     def __call__(self, x, gs):
         h = jax.nn.silu(self.gate_proj.merged(x, gs)) * self.up_proj.merged(x, gs)
@@ -86,14 +88,17 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """HF `LlamaForCausalLM` / `Qwen2ForCausalLM` with N LoRA slots of rank R on every projection."""
+    """HF `LlamaForCausalLM` / `Qwen2ForCausalLM` with N LoRA slots of rank R on the projections
+    named in `lora_targets` (k_proj and v_proj always)."""
 
-    def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32,
+                 lora_targets=LORA_TARGETS):
         self.dtype = dtype
         # float32 means "exact": no TF32 on the GPU.
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         self.precision = precision
-        lora = dict(num_slots=num_slots, rank=rank, precision=precision)
+        lora = dict(num_slots=num_slots, rank=rank, precision=precision,
+                    targets=tuple(lora_targets))
         self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, dtype, **lora) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
