@@ -82,6 +82,15 @@ class PoolSeq:
         table = self.pages if len(self.pages) else np.zeros(1, np.int32)
         return np.where(write, table[idx] * S + positions % S, 0).astype(np.int32)
 
+    def slot(self, position: int) -> int:
+        """`slots` for one position, without numpy temporaries (the decode hot path)."""
+        if position < self.cached_len:
+            return 0
+        page = position // self.page_size
+        if page >= len(self.pages):
+            raise ValueError(f"{self.name}: position {position} is not reserved")
+        return int(self.pages[page]) * self.page_size + position % self.page_size
+
     def commit(self, tokens: np.ndarray) -> None:
         """Insert the whole pages of `tokens` (all written) and lock the new path instead."""
         S = self.page_size
@@ -164,6 +173,10 @@ class SeqCache:
         base = self.base.slots(positions)
         res = self.res.slots(positions) if self.res else np.zeros_like(positions)
         return base, res
+
+    def slot_pair(self, position: int) -> tuple[int, int]:
+        """`slot_mapping` for one position: (base slot, residual slot) as ints."""
+        return self.base.slot(position), self.res.slot(position) if self.res else 0
 
     @property
     def base_page_table(self) -> np.ndarray:

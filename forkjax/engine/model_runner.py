@@ -147,10 +147,14 @@ class ModelRunner:
         rows = np.zeros(b, np.int32)
         samp = _sampling_arrays(batch.seqs, b)
         for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
-            r = slice(i * c, i * c + e - s)
-            tokens[r] = seq.tokens[s:e]
-            positions[r] = np.arange(s, e)
-            base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
+            if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
+                tokens[i * c], positions[i * c] = seq.token_at(s), s
+                base_slots[i * c], res_slots[i * c] = seq.cache.slot_pair(s)
+            else:
+                r = slice(i * c, i * c + e - s)
+                tokens[r] = seq.tokens[s:e]
+                positions[r] = np.arange(s, e)
+                base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
             bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
             base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
             prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot

@@ -64,6 +64,11 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_at(self, i: int) -> int:
+        """tokens[i] without building the list (a decode step needs one token)."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
 
