@@ -130,15 +130,18 @@ def matmul_rate(n=8192):
 # ------------------------------------------------------------------ data
 
 
+def random_pools(keys, P):
+    """Random base K/V [HKV, P, S, D] and residual K/V [P, S, R] pools from keys[0:4]."""
+    return (jax.random.normal(keys[0], (HKV, P, S, D), DT), jax.random.normal(keys[1], (HKV, P, S, D), DT),
+            jax.random.normal(keys[2], (P, S, R), DT), jax.random.normal(keys[3], (P, S, R), DT))
+
+
 def make_decode(B, L, n_sets, seed=0):
     """Pools holding n_sets disjoint batches of B sequences of L tokens, shuffled page tables."""
     M = L // S
     P = n_sets * B * M + 1
     keys = jax.random.split(jax.random.key(seed), 8)
-    kb = jax.random.normal(keys[0], (HKV, P, S, D), DT)
-    vb = jax.random.normal(keys[1], (HKV, P, S, D), DT)
-    kr = jax.random.normal(keys[2], (P, S, R), DT)
-    vr = jax.random.normal(keys[3], (P, S, R), DT)
+    kb, vb, kr, vr = random_pools(keys, P)
     rng = np.random.default_rng(seed)
     perm = rng.permutation(np.arange(1, P)).astype(np.int32)
     bpt = jnp.asarray(perm.reshape(n_sets, B, M))
@@ -252,10 +255,7 @@ def make_extend(prefix, T, seed=0):
     M = -(-L // S)
     P = M + 1
     keys = jax.random.split(jax.random.key(seed), 8)
-    kb = jax.random.normal(keys[0], (HKV, P, S, D), DT)
-    vb = jax.random.normal(keys[1], (HKV, P, S, D), DT)
-    kr = jax.random.normal(keys[2], (P, S, R), DT)
-    vr = jax.random.normal(keys[3], (P, S, R), DT)
+    kb, vb, kr, vr = random_pools(keys, P)
     rng = np.random.default_rng(seed)
     bpt = jnp.asarray(rng.permutation(np.arange(1, P)).astype(np.int32)[None])
     rpt = jnp.asarray(rng.permutation(np.arange(1, P)).astype(np.int32)[None])

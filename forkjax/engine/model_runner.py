@@ -84,6 +84,7 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // layout.page_size)
         self.residual = layout.policy.uses_residual
         self.use_pallas = use_pallas
+        self.graphdef = self.state_def = None  # HashOnce, kept across set_model
         self.set_model(model)
         self.pools = layout.allocate()
         self._compiled: set = set()
@@ -95,9 +96,9 @@ class ModelRunner:
         halves are kept (same objects: no recompilation, no re-hashing)."""
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
-        if getattr(self, "graphdef", None) is None or self.graphdef.value != graphdef:
+        if self.graphdef is None or self.graphdef.value != graphdef:
             self.graphdef = HashOnce(graphdef)
-        if getattr(self, "state_def", None) is None or self.state_def.value != treedef:
+        if self.state_def is None or self.state_def.value != treedef:
             self.state_def = HashOnce(treedef)
         self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
 

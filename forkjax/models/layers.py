@@ -89,11 +89,14 @@ class LoRALinear(nnx.Module):
         self.lora_b = nnx.Param(jnp.zeros((num_slots, rank, d_out), dtype)) if lora else None
         self.precision = precision
 
+    def base(self, x):
+        """x [T, in] -> xW + b [T, out]."""
+        return linear(x, self.weight[...], self.precision,
+                      None if self.bias is None else self.bias[...])
+
     def __call__(self, x, group_sizes):
         """x [T, in], group_sizes [N] (tokens grouped by slot) -> (xW + b [T, out], xA [T, R])."""
-        bias = None if self.bias is None else self.bias[...]
-        y = linear(x, self.weight[...], self.precision, bias)
-        return y, lora_shrink(x, self.lora_a[...], group_sizes, self.precision)
+        return self.base(x), lora_shrink(x, self.lora_a[...], group_sizes, self.precision)
 
     def expand(self, xa, group_sizes):
         """xA [T, R] -> xA·B [T, out]."""
@@ -101,7 +104,6 @@ class LoRALinear(nnx.Module):
 
     def merged(self, x, group_sizes):
         if self.lora_a is None:
-            return linear(x, self.weight[...], self.precision,
-                          None if self.bias is None else self.bias[...])
+            return self.base(x)
         y, xa = self(x, group_sizes)
         return y + self.expand(xa, group_sizes)
