@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="projections with LoRA slots, e.g. q_proj k_proj v_proj o_proj (default: "
                         "those the --lora adapters target; all when none are given)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for each step before scheduling the next (default: overlap them)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models (%(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="%(default)s (loopback); 0.0.0.0 exposes the server")
     p.add_argument("--port", type=int, default=8000,
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None):
             page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
             max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, seed=args.seed,
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-            warmup=True, progress=True)
+            warmup=True, progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")
     loop = EngineLoop(engine)

@@ -374,11 +374,9 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     def c(**kw):
         return dict(base, **kw)
 
-    # project_k: the rotation-free K-LoRA formulation (offline ptxas: 168-178 registers, no
-    # spills, against 255 with spills; 127 KB shared at block_k=64, 57 KB at 32).
-    res_grid = [c(block_k=bk, num_warps=4, num_stages=ns, swap_ab=True, project_k=pk)
-                for bk, ns, pk in [(64, 2, False), (32, 2, False), (64, 2, True), (32, 2, True),
-                                   (32, 3, True), (32, 4, True)]]
+    # k_prepass: the K LoRA term as scores computed before the loop (k_lora_scores.py).
+    res_grid = [c(block_k=bk, num_warps=4, num_stages=ns, swap_ab=True, k_prepass=kp)
+                for bk, ns, kp in [(64, 2, False), (32, 2, False), (64, 2, True), (64, 3, True)]]
     uni_grid = [c(block_k=64, num_warps=4, num_stages=ns, swap_ab=False) for ns in (3, 4)]
     if SMOKE:
         res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]
@@ -457,7 +455,7 @@ def main():
         row = bench_decode_point(B, L, ("residual", "unified", "jax_paged", "naive"),
                                  {k: v for k, v in cfg_res.items() if k != "k_splits"},
                                  {k: v for k, v in cfg_uni.items()
-                                  if k not in ("k_splits", "reconstruct_k", "project_k")},
+                                  if k not in ("k_splits", "reconstruct_k")},
                                  bw)
         results["decode"].append(row)
         log(fmt_decode(row))

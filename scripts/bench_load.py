@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from safetensors.flax import save_file
 
 from forkjax.models.loader import hf_name, load_checkpoint

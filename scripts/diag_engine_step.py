@@ -16,7 +16,6 @@ import os
 import re
 import time
 
-import jax
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
@@ -34,6 +33,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9)
+    ap.add_argument("--tag", default="", help="suffix of the output file")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
@@ -66,12 +66,15 @@ def main():
         per_kernel[re.sub(r"[._]\d+$", "", name)] += ms / n
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     result = dict(batch=args.batch, context=args.context, policy=args.policy,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), kernels_per_step=len(timings) / n,
                   step_kernel_ms=sum(ms for _, ms in timings) / n, step_wall_ms=wall * 1e3,
                   kernels=[(k, round(v, 4)) for k, v in rows])
-    print(f"kernel time / step {result['step_kernel_ms']:.2f} ms, wall {result['step_wall_ms']:.2f} ms")
+    print(f"kernel time / step {result['step_kernel_ms']:.2f} ms ({result['kernels_per_step']:.0f} "
+          f"kernels), wall {result['step_wall_ms']:.2f} ms")
     for k, v in rows[:40]:
         print(f"{v:8.3f} ms  {k}")
-    with open(os.path.join(args.out, f"diag_engine_step_{args.policy}_b{args.batch}.json"), "w") as f:
+    tag = f"{args.policy}_b{args.batch}{'_' + args.tag if args.tag else ''}"
+    with open(os.path.join(args.out, f"diag_engine_step_{tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

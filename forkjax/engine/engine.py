@@ -1,6 +1,12 @@
 """The public `Engine` (DESIGN.md §3): paged dual KV cache, continuous batching, multi-LoRA.
 
-    step():  batch = scheduler.schedule(); out = runner.run(batch); postprocess(batch, out)
+    step():  batch = scheduler.schedule(); launch(batch); postprocess(the previous launch)
+
+Overlap scheduling (default, SGLang's overlap scheduler): step n+1 is scheduled and dispatched
+while step n still runs on the device; a token step n samples reaches step n+1 on the device (the
+host marks it PENDING), and the host learns it one step later. A request that stops is therefore
+computed one step too far and that token is dropped. Preemption and `score` steps wait for the
+step in flight first.
 
 `generate` and `score` submit requests and step until theirs finish; a server drives the same
 `add_request` / `step` / `abort` API from its own loop.
@@ -8,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import jax
@@ -18,8 +23,8 @@ from forkjax.cache import DualRadixCache, PoolLayout, check_shared_lora_a
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
-from forkjax.engine.model_runner import ModelRunner
-from forkjax.engine.scheduler import ScheduledBatch, Scheduler
+from forkjax.engine.model_runner import Launched, ModelRunner
+from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
@@ -30,7 +35,8 @@ DEFAULT_CPU_KV_BYTES = 256 << 20
 class Engine:
     def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
-                 use_pallas: bool | None = None, warmup: bool = True, progress: bool = True):
+                 use_pallas: bool | None = None, warmup: bool = True, progress: bool = True,
+                 overlap: bool = True):
         self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -51,7 +57,12 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas)
         self._decode_steps = self._decode_seqs = 0
-        self.step_times = {"host_s": 0.0, "device_s": 0.0, "steps": 0}
+        self.overlap = overlap
+        self._inflight: Launched | None = None
+        # Cumulative seconds per part of step(): host bookkeeping (schedule, inputs, postprocess),
+        # dispatch (the jit call: argument transfer and kernel launches), waiting for the device.
+        self.step_times = dict.fromkeys(("schedule_s", "inputs_s", "dispatch_s", "device_s",
+                                         "postprocess_s", "steps"), 0)
         if warmup:
             self.runner.warmup(progress)
 
@@ -64,8 +75,8 @@ class Engine:
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
         `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
         adapters target, all seven without any; adapters loaded later must fit in them).
-        Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress) go to
-        the constructor."""
+        Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress,
+        overlap) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras,
@@ -130,46 +141,86 @@ class Engine:
             self.scheduler.finish(seq, "abort")
 
     def step(self) -> list[Sequence]:
-        """One engine step; returns the requests it advanced (finished ones included)."""
+        """One engine step; returns the requests whose step's results it took in (finished
+        ones included): with overlap, those of the step launched one call earlier."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        t1 = time.perf_counter()
-        out = self.runner.run(batch, all_logits=any(s.score for s in batch.seqs))
-        t2 = time.perf_counter()
-        self._postprocess(batch, out)
-        t3 = time.perf_counter()
-        # host: scheduling, input building, dispatch, postprocessing; device: waiting for it
-        host_run = self.runner.last_host_s
-        self.step_times["host_s"] += (t1 - t0) + host_run + (t3 - t2)
-        self.step_times["device_s"] += t2 - t1 - host_run
-        self.step_times["steps"] += 1
-        return batch.seqs
+        try:
+            batch = self.scheduler.schedule(allow_preempt=self._inflight is None)
+        except PreemptionNeeded:  # the victims' tokens in flight must be known first
+            done = self._finish_inflight()
+            t0 = time.perf_counter()
+            return done + self._launch_and_finish(t0, self.scheduler.schedule())
+        return self._launch_and_finish(t0, batch)
 
-    def _postprocess(self, batch: ScheduledBatch, out):
+    def _launch_and_finish(self, t0, batch) -> list[Sequence]:
+        t1 = time.perf_counter()
+        self._time("schedule_s", t1 - t0)
+        if batch is None:
+            return self._finish_inflight()
+        all_logits = any(s.score for s in batch.seqs)
+        sync = all_logits or not self.overlap
+        done = self._finish_inflight() if sync else []
+        launched = self.runner.launch(batch, all_logits)
+        self._time("inputs_s", self.runner.last_inputs_s)
+        self._time("dispatch_s", self.runner.last_dispatch_s)
+        self._time("steps", 1)
+        self._mark_launched(batch)
+        done += self._finish_inflight()  # the previous step, while this one runs
+        self._inflight = launched
+        return done + (self._finish_inflight() if sync else [])
+
+    def _time(self, key, dt):
+        self.step_times[key] += dt
+
+    def _mark_launched(self, batch):
+        """Advance the host state as if the launched step had finished: its positions are
+        computed and each request that samples has one more (PENDING) token."""
         if batch.kind == "decode":
             self._decode_steps += 1
             self._decode_seqs += len(batch.seqs)
+        batch.samples = []
         for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
-            if seq.status is not Status.RUNNING:
-                continue
             seq.num_computed = end
-            if seq.score:
-                seq.prompt_logits.append(out[i])
+            if seq.score or end < len(seq):
+                continue  # a score request, or a prefill chunk short of the prompt's end
+            seq.pending += 1
+            seq.sample_row = i
+            out = len(seq.output) + seq.pending
+            seq.stopping = out >= seq.params.max_new_tokens or len(seq) >= self.max_model_len
+            batch.samples.append(i)
+
+    def _finish_inflight(self) -> list[Sequence]:
+        if self._inflight is None:
+            return []
+        launched, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        tokens, logits = self.runner.fetch(launched)
+        t1 = time.perf_counter()
+        self._postprocess(launched.batch, tokens, logits)
+        self._time("device_s", t1 - t0)
+        self._time("postprocess_s", time.perf_counter() - t1)
+        return launched.batch.seqs
+
+    def _postprocess(self, batch, tokens, logits):
+        for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+            if seq.score and seq.status is Status.RUNNING:
+                seq.prompt_logits.append(logits[i])
                 if end == len(seq):
                     self.scheduler.finish(seq, "length")
-                continue
-            if end < len(seq):
-                continue  # a prefill chunk that has not reached the last token yet
+        for i in batch.samples:
+            seq = batch.seqs[i]
+            if seq.status is not Status.RUNNING:
+                continue  # aborted, or stopped one step earlier: this token is dropped
+            seq.pending -= 1
             if batch.kind == "extend":  # prompt done: share its whole pages with newcomers now
-                seq.cache.commit(np.asarray(seq.tokens[:end], np.int32))
-            token = int(out[i])
+                seq.cache.commit(np.asarray(seq.tokens[:batch.chunks[i][1]], np.int32))
+            token = int(tokens[i])
             seq.output.append(token)
             p = seq.params
             if token in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop")
-            elif len(seq.output) >= p.max_new_tokens or len(seq) >= self.max_model_len:
+            elif (len(seq.output) >= p.max_new_tokens
+                  or len(seq) - seq.pending >= self.max_model_len):
                 self.scheduler.finish(seq, "length")
 
     def _run_until_done(self, seqs: list[Sequence]):

@@ -22,8 +22,9 @@ from tqdm.auto import tqdm
 from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.paged_attention import PagedMeta, paged_attention
-from forkjax.engine.sampler import SamplingArrays, sample
+from forkjax.engine.sampler import SamplingArrays, greedy, sample
 from forkjax.engine.scheduler import ScheduledBatch
+from forkjax.engine.sequence import PENDING
 from forkjax.models.transformer import ForwardBatch
 
 log = logging.getLogger("forkjax")
@@ -33,11 +34,21 @@ log = logging.getLogger("forkjax")
 @dataclasses.dataclass
 class StepInputs:
     tokens: jax.Array  # [T] int32
+    prev_rows: jax.Array  # [T] int32 row of the previous step's sampled output to use, -1: tokens
     positions: jax.Array  # [T] int32
     group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
     meta: PagedMeta
     sample_rows: jax.Array  # [B] int32 row of each request's last token
     copies: tuple  # (base_src, base_dst, res_src, res_dst) each [C] int32, copy-on-write
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched step: its batch and device outputs (not waited for)."""
+    batch: ScheduledBatch
+    tokens: jax.Array  # [max_batch] int32 sampled token of request i in row i
+    logits: jax.Array | None  # [b * c, vocab] float32 with all_logits
+    chunk: int  # c: rows per request
 
 
 class HashOnce:
@@ -61,18 +72,33 @@ class HashOnce:
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3,
                    static_argnames=("kind", "all_logits", "residual", "use_pallas"))
 def _step(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
-          sampling: SamplingArrays, *, kind: str, all_logits: bool, residual: bool,
+          prev_tokens, *, kind: str, all_logits: bool, residual: bool,
           use_pallas: bool):
-    """One forward of a bucketed batch; the pools are donated and come back updated."""
+    """One forward of a bucketed batch; the pools are donated and come back updated.
+    prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
+    (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
+    [B, vocab] float32, every row's logits [T, vocab] float32 or None), pools)."""
     model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, state_leaves))
+    rows = inputs.prev_rows
+    tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
     pools = copy_pages(pools, *inputs.copies)  # before this step writes into the copies
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
                              inv_freq=model.inv_freq[...], precision=model.precision)
-    h, pools, _ = model(inputs.tokens, batch, attn, pools)
-    if all_logits:
-        return model.logits(h), pools
-    return sample(model.logits(h[inputs.sample_rows]), sampling), pools
+    h, pools, _ = model(tokens, batch, attn, pools)
+    logits = model.logits(h) if all_logits else None
+    rows = logits[inputs.sample_rows] if all_logits else model.logits(h[inputs.sample_rows])
+    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits), pools
+
+
+def _pad_to(tokens, size: int):
+    return jnp.zeros(size, jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _sample_padded(rows, sampling: SamplingArrays, size: int):
+    """rows [B, vocab] float32 -> [size] int32 sampled tokens (row i: request i)."""
+    return _pad_to(sample(rows, sampling), size)
 
 
 class ModelRunner:
@@ -87,9 +113,11 @@ class ModelRunner:
         self.graphdef = self.state_def = None  # HashOnce, kept across set_model
         self.set_model(model)
         self.pools = layout.allocate()
+        # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape).
+        self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32)
         self._compiled: set = set()
         self.warm = False
-        self.last_host_s = 0.0
+        self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last run()
 
     def set_model(self, model):
         """(Re)split parameters after adapter slots changed; shapes never change, so the static
@@ -106,14 +134,17 @@ class ModelRunner:
         """Compile every bucket now, so serving never stalls on the compiler."""
         for kind, b, c in tqdm(self.buckets.all(), desc="compiling", disable=not progress, unit="shape"):
             inputs, sampling = self._dummy(b, c)
-            tokens, self.pools = self._call(kind, False, inputs, sampling, (kind, b, c, False))
-            jax.block_until_ready(tokens)
+            (_, rows, _), self.pools = self._call(kind, False, inputs, (kind, b, c, False))
+            jax.block_until_ready(_sample_padded(rows, sampling, len(self.prev_tokens)))
+        self.prev_tokens = jnp.zeros_like(self.prev_tokens)
         self.warm = True
 
     # ---- one step -------------------------------------------------------------------------
 
-    def run(self, batch: ScheduledBatch, all_logits: bool = False):
-        """Run one scheduled batch -> sampled tokens [n] (or logits [rows, vocab] per request)."""
+    def launch(self, batch: ScheduledBatch, all_logits: bool = False) -> Launched:
+        """Dispatch one scheduled batch without waiting for it. A PENDING input token is read on
+        the device from the previous launch's row `seq.sample_row`, so this step can be
+        dispatched before that one has finished."""
         n = len(batch.seqs)
         if batch.kind == "decode":
             b, c = self.buckets.decode(n), 1
@@ -121,26 +152,40 @@ class ModelRunner:
             b, c = self.buckets.extend(n, max(e - s for s, e in batch.chunks))
         t0 = time.perf_counter()
         inputs, sampling = self._inputs(batch, b, c)
-        out, self.pools = self._call(batch.kind, all_logits, inputs, sampling,
-                                     (batch.kind, b, c, all_logits))
-        self.last_host_s = time.perf_counter() - t0  # input building + dispatch (async)
-        out = np.asarray(out)  # waits for the device
-        if all_logits:
-            return [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
-        return out[:n]
+        t1 = time.perf_counter()
+        (tokens, rows, logits), self.pools = self._call(
+            batch.kind, all_logits, inputs, (batch.kind, b, c, all_logits))
+        if np.any(sampling.temperature > 0):
+            tokens = _sample_padded(rows, sampling, len(tokens))
+        self.prev_tokens = tokens
+        t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
+        self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
+        return Launched(batch, self.prev_tokens, logits, c)
 
-    def _call(self, kind, all_logits, inputs, sampling, key):
+    @staticmethod
+    def fetch(launched: Launched):
+        """Wait for a launched batch -> (tokens [n] int32, per request [chunk, vocab] float32
+        logits or None)."""
+        batch, c = launched.batch, launched.chunk
+        tokens = np.asarray(launched.tokens)[:len(batch.seqs)]
+        if launched.logits is None:
+            return tokens, None
+        out = np.asarray(launched.logits)
+        return tokens, [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
+
+    def _call(self, kind, all_logits, inputs, key):
         if key not in self._compiled:
             if self.warm:
                 log.warning("forkjax: compiling a new shape after warm-up: %s", key)
             self._compiled.add(key)
-        return _step(self.graphdef, self.state_def, self.state_leaves, self.pools, inputs, sampling,
-                     kind=kind, all_logits=all_logits, residual=self.residual,
+        return _step(self.graphdef, self.state_def, self.state_leaves, self.pools, inputs,
+                     self.prev_tokens, kind=kind, all_logits=all_logits, residual=self.residual,
                      use_pallas=self.use_pallas)
 
     def _inputs(self, batch: ScheduledBatch, b: int, c: int):
         t = b * c
         tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+        prev_rows = np.full(t, -1, np.int32)
         base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
         base_pt, res_pt = np.zeros((b, self.max_pages), np.int32), np.zeros((b, self.max_pages), np.int32)
         prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -150,6 +195,8 @@ class ModelRunner:
         for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
             if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
                 tokens[i * c], positions[i * c] = seq.token_at(s), s
+                if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
+                    prev_rows[i * c] = seq.sample_row
                 base_slots[i * c], res_slots[i * c] = seq.cache.slot_pair(s)
             else:
                 r = slice(i * c, i * c + e - s)
@@ -166,7 +213,7 @@ class ModelRunner:
         size = max(b, len(batch.base_copies), len(batch.res_copies))
         copies = (*copy_index_arrays(batch.base_copies, size), *copy_index_arrays(batch.res_copies, size))
         meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter)
-        return StepInputs(tokens, positions, group_sizes, meta, rows, copies), samp
+        return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows, copies), samp
 
     def _dummy(self, b: int, c: int):
         t = b * c
@@ -174,7 +221,8 @@ class ModelRunner:
         meta = PagedMeta(z(t), z(t), z(b, self.max_pages), z(b, self.max_pages), z(b),
                          np.full(b, c, np.int32), z(b))
         copies = (z(b), z(b), z(b), z(b))
-        return StepInputs(z(t), z(t), z(self.num_slots), meta, z(b), copies), _sampling_arrays([], b)
+        return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(self.num_slots), meta, z(b), copies),
+                _sampling_arrays([], b))
 
 
 def _sampling_arrays(seqs, b) -> SamplingArrays:
@@ -183,5 +231,5 @@ def _sampling_arrays(seqs, b) -> SamplingArrays:
     for i, seq in enumerate(seqs):
         p = seq.params
         temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output)
+        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output) + seq.pending
     return SamplingArrays(temp, top_p, top_k, seed, step)

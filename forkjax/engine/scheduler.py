@@ -32,6 +32,11 @@ class ScheduledBatch:
     chunks: list[tuple[int, int]]  # per seq: positions [start, end) computed this step
     base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes
     res_copies: list[tuple[int, int]]
+    samples: list[int] = dataclasses.field(default_factory=list)  # requests that sample a token
+
+
+class PreemptionNeeded(RuntimeError):
+    """schedule(allow_preempt=False) found no page for a running request's next token."""
 
 
 class Scheduler:
@@ -69,14 +74,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, allow_preempt: bool = True) -> ScheduledBatch | None:
+        """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
+        are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
-        decoding = [s for s in self.running if not s.in_prefill]
+        decoding = [s for s in self.running if not s.in_prefill and not s.stopping]
         if prefilling and (not decoding or self._last_kind == "decode"):
             batch = self._extend_batch(prefilling)
         elif decoding:
-            batch = self._decode_batch(decoding)
+            batch = self._decode_batch(decoding, allow_preempt)
         else:
             return None
         self._last_kind = batch.kind
@@ -116,7 +123,7 @@ class Scheduler:
             budget -= end - seq.num_computed
         return self._with_copies("extend", chosen, chunks)
 
-    def _decode_batch(self, seqs) -> ScheduledBatch:
+    def _decode_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch:
         chosen = []
         for seq in seqs:
             while seq.status is Status.RUNNING:
@@ -126,6 +133,8 @@ class Scheduler:
                     chosen.append(seq)
                     break
                 except OutOfPages:
+                    if not allow_preempt:
+                        raise PreemptionNeeded from None
                     self._preempt_one(protect=seq)
         chosen = [s for s in chosen if s.status is Status.RUNNING]
         return self._with_copies("decode", chosen, [(len(s) - 1, len(s)) for s in chosen])

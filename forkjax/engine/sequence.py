@@ -9,6 +9,9 @@ import itertools
 import numpy as np
 
 _ids = itertools.count()
+# A token sampled by a launched step that has not reached the host yet (overlap scheduling): the
+# next step reads it from the device, the host learns it one step later.
+PENDING = -1
 
 
 class Status(enum.Enum):
@@ -54,6 +57,9 @@ class Sequence:
         self.cache = None  # SeqCache while running
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
         self.admitted = False  # admitted once already (a preempted request is not recounted)
+        self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
+        self.sample_row = 0  # row of its token in the last launched step's sampled output
+        self.stopping = False  # its last token is in flight: not scheduled again
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
         # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
         self.pending_copies: tuple[list, list] = ([], [])
@@ -62,15 +68,18 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """Known tokens (pending ones excluded)."""
         return self.prompt + self.output
 
     def token_at(self, i: int) -> int:
-        """tokens[i] without building the list (a decode step needs one token)."""
-        n = len(self.prompt)
-        return self.prompt[i] if i < n else self.output[i - n]
+        """tokens[i] without building the list (a decode step needs one token); PENDING past
+        the known tokens."""
+        n, m = len(self.prompt), len(self.output)
+        return self.prompt[i] if i < n else self.output[i - n] if i < n + m else PENDING
 
     def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
+        """Tokens so far, pending ones included (positions the cache has or will have)."""
+        return len(self.prompt) + len(self.output) + self.pending
 
     @property
     def in_prefill(self) -> bool:
@@ -79,5 +88,6 @@ class Sequence:
 
     def finish(self, reason: str, error: Exception | None = None):
         self.status = Status.FINISHED
+        self.pending = 0  # a token sampled after the end is dropped
         self.finish_reason = reason
         self.error = error

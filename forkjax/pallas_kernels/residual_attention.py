@@ -27,10 +27,10 @@ online-softmax factor, and B_v is applied once, after the loop: the kernel write
 (r wide) and the split combine computes (acc + acc_r @ B_v) / l. (Doing that small dot inside
 the kernel raised its register count to the limit and cost a third of its occupancy.)
 
-`project_k=True` (decode, a tuning option not yet measured on the GPU) needs no rotation in the
-loop at all: q . RoPE_t(rK_t B_k) = sum_r rK[t, r] W[t, (g, r)] with W = E_t @ A, where E_t is
-(cos | sin) at the key's absolute position (one table for every program) and A is built per
-request and head from q and B_k outside the kernel (see `projected_lora_scores`).
+`k_prepass=True` (decode option) moves the K LoRA term out of the loop: k_lora_scores.py computes
+q . RoPE_t(rK_t B_k) for every cached position first, and the loop adds those scores to q . bK,
+carrying no rotation tiles and no rK (its registers and shared memory are then close to the
+unified kernel's plus the rV stream).
 
 `swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
 the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
@@ -73,16 +73,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from forkjax.pallas_kernels.k_lora_scores import k_lora_scores, score_columns
+from forkjax.pallas_kernels.padding import next_pow2, pad_axis
 from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 # Programs the default split heuristic aims for (132 SMs on the H200, several programs each).
 _TARGET_PROGRAMS = 1024
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,8 +107,7 @@ def _attention_kernel(
     blks_ref,  # [NB, Hp] f32       sin at each block start position
     offc_ref,  # [2, block_k, Hp]   cos of the in-block offsets, twice (see lora_scores)
     offs_ref,  # [2, block_k, Hp]   sin of the in-block offsets, twice
-    e_ref,  # [NB*block_k, 2Hp]     (cos | sin) at every position (project_k only)
-    a_ref,  # [2Hp, Gq*Rp]          q-side LoRA key projection of this request and head (project_k)
+    kls_ref,  # [Mp*S, Gs] f32      K-LoRA scores of this request and head (k_prepass only)
     *out_refs,  # o [rows, Dp] normalised, or unnormalised o, m [rows], l [rows] (+ o_r [rows, Rp])
     block_q: int,
     gp: int,
@@ -122,7 +119,6 @@ def _attention_kernel(
     normalize: bool,
     reconstruct_k: bool,
     swap_ab: bool,
-    project_k: bool,
     skip_k_lora: bool = False,  # benchmarking only: drop the K reconstruction (wrong output)
 ):
     qb, ks = pl.program_id(1), pl.program_id(2)
@@ -161,7 +157,7 @@ def _attention_kernel(
         return x.T if swap_ab else x
 
     if residual:
-        rp = bk1_ref.shape[0]
+        rp = vr_ref.shape[-1]
     q_idx = q0 + lax.div(lax.broadcasted_iota(jnp.int32, sshape, rax), gp)
     kv_iota = lax.broadcasted_iota(jnp.int32, sshape, kax)
     kv_iota_col = lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
@@ -177,23 +173,6 @@ def _attention_kernel(
     # registers, and the pipeliner then prefetched V into registers).
     slot_iota = lax.div(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
     in_page = lax.rem(lax.broadcasted_iota(jnp.int32, (block_k,), 0), page_size)
-
-    def projected_lora_scores(kb, rk):
-        """q . RoPE_t(rK_t @ B_k) with no rotation in the loop (`project_k`, decode, [keys, rows]).
-
-        q . RoPE_t(y) = sum_d c_d(t) (q1 y1 + q2 y2)_d + s_d(t) (q2 y1 - q1 y2)_d, and y = rK B_k,
-        so the score is sum_r rK[t, r] W[t, (g, r)] with W = E_t @ A: E_t = (cos | sin) at the
-        key's absolute position (a table shared by every program, L2-resident) and A [2Hp, Gq*Rp]
-        built per request and head outside the kernel from q and B_k. One MMA and a rank-wide
-        reduction replace the y tiles, their rotation and two score MMAs.
-        """
-        gq = a_ref.shape[1] // rk.shape[1]
-        e = e_ref[pl.ds(kb * block_k, block_k), :]  # [block_k, 2Hp]
-        w = dot(e, a_ref[...]).reshape(block_k, gq, rk.shape[1])  # [block_k, Gq, Rp] f32
-        s_g = jnp.sum(w * rk.astype(f32)[:, None, :], axis=2)  # [block_k, Gq]
-        # Rows are (head) padded to `rows`; the padding rows' outputs are dropped, so they may
-        # repeat the real ones (finite, no concatenate needed).
-        return jnp.broadcast_to(s_g[:, None, :], (block_k, rows // gq, gq)).reshape(block_k, rows)
 
     def lora_scores(kb, rk):
         """q . RoPE_t(rK_t @ B_k) for the block's keys, in the chosen orientation.
@@ -224,6 +203,18 @@ def _attention_kernel(
             qr2 = (q2 * c0 - q1 * s0).astype(dt)
         return score(z1, rows_t(qr1)) + score(z2, rows_t(qr2))
 
+    def prepass_scores(kb):
+        """The block's K-LoRA scores [block_k, Gs] (Gs: the group padded to a power of two), in
+        score orientation; query row r takes head r % Gs (rows past the group are padding)."""
+        x = kls_ref[pl.ds(kb * block_k, block_k), :]
+        gs = x.shape[1]
+        if swap_ab:
+            return x if gs == rows else jnp.broadcast_to(
+                x[:, None, :], (block_k, rows // gs, gs)).reshape(block_k, rows)
+        x = x.T
+        return x if gs == rows else jnp.broadcast_to(
+            x[None], (rows // gs, gs, block_k)).reshape(rows, block_k)
+
     def pv(p, v):  # p in score orientation, v [block_k, X] -> [rows, X] ([X, rows] if swap_ab)
         return dot(v, p, trans_a=True) if swap_ab else dot(p, v)
 
@@ -238,9 +229,11 @@ def _attention_kernel(
         s = score(k, q_op)
         if residual:
             rows_r = rpt_ref[slots] * page_size + in_page
-            if not skip_k_lora:
+            if kls_ref is not None:  # computed by the prepass (k_lora_scores.py)
+                s = s + prepass_scores(kb)
+            elif not skip_k_lora:
                 rk = load_rows(kr_ref, rows_r)
-                s = s + (projected_lora_scores if project_k else lora_scores)(kb, rk)
+                s = s + lora_scores(kb, rk)
         s = s * scale
         if masked:
             kv = kb * block_k + kv_iota
@@ -298,17 +291,9 @@ def _attention_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_axis(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _default_splits(n_parallel: int, n_blocks: int) -> int:
     want = max(1, -(-_TARGET_PROGRAMS // n_parallel))
-    return max(1, min(_next_pow2(want), n_blocks))
+    return max(1, min(next_pow2(want), n_blocks))
 
 
 def _paged_attention(
@@ -330,7 +315,7 @@ def _paged_attention(
     interpret,
     reconstruct_k=None,
     swap_ab=None,
-    project_k=False,
+    k_prepass=False,
     skip_k_lora=False,
 ):
     layered = k_base.ndim == 5
@@ -357,10 +342,10 @@ def _paged_attention(
 
     # Query rows: block_q tokens x Gp heads, at least 16 rows (dots with M < 16 are not safe).
     # Defaults below: the fastest of the H200 sweeps (BENCHMARKS.md, "Kernels").
-    gp = _next_pow2(G)
+    gp = next_pow2(G)
     if block_q is None:
         block_q = 1 if T == 1 else max(1, (64 if residual else 128) // gp)
-    block_q = max(1, min(_next_pow2(block_q), _next_pow2(T)))
+    block_q = max(1, min(next_pow2(block_q), next_pow2(T)))
     if block_q * gp < 16:
         gp = 16 // block_q
     rows = block_q * gp
@@ -368,11 +353,11 @@ def _paged_attention(
         swap_ab = residual and rows <= 32
     t_pad = -(-T // block_q) * block_q
     n_qb = t_pad // block_q
-    dp = max(16, _next_pow2(D))
+    dp = max(16, next_pow2(D))
 
     if block_k is None:
         block_k = 32 if residual and T > 1 else 64
-    block_k = max(_next_pow2(block_k), S)
+    block_k = max(next_pow2(block_k), S)
     ppb = block_k // S
     n_blocks = -(-M // ppb)
     if k_splits is None:
@@ -381,17 +366,20 @@ def _paged_attention(
     m_pad = n_blocks * ppb
     if num_warps is None:
         num_warps = 4
+    k_prepass = bool(k_prepass) and residual
+    if k_prepass and T != 1:
+        raise ValueError("k_prepass is a decode option (one query token per request)")
     if num_stages is None:
-        num_stages = 3 if not residual and T == 1 else 2
+        num_stages = 3 if (not residual or k_prepass) and T == 1 else 2
 
     # q -> [B, Hkv, t_pad * gp, dp]
     qx = q.astype(dt).reshape(B, T, Hkv, G, D)
     qx = jnp.pad(qx, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, dp - D)))
     qx = qx.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, dp)
     # Flat [.., Hkv, P * S, Dp] views (free reshapes) for the kernel's token-row gather.
-    kb = _pad_axis(k_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
-    vb = _pad_axis(v_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
-    bpt = _pad_axis(base_pages.astype(jnp.int32), 1, m_pad)
+    kb = pad_axis(k_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
+    vb = pad_axis(v_base, -1, dp).reshape(k_base.shape[:-3] + (P * S, dp))
+    bpt = pad_axis(base_pages.astype(jnp.int32), 1, m_pad)
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     chunk_lengths = chunk_lengths.astype(jnp.int32)
 
@@ -418,13 +406,13 @@ def _paged_attention(
             raise ValueError(f"residual page size {k_res.shape[-2]} differs from base {S}")
         if inv_freq.shape != (D // 2,):
             raise ValueError(f"inv_freq {inv_freq.shape} must be [D//2={D // 2}]")
-        rp = max(16, _next_pow2(R))
+        rp = max(16, next_pow2(R))
         h = D // 2
-        hp = max(16, _next_pow2(h))
+        hp = max(16, next_pow2(h))
         Pr = k_res.shape[-3]
-        kr = _pad_axis(k_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
-        vr = _pad_axis(v_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
-        rpt = _pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
+        kr = pad_axis(k_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
+        vr = pad_axis(v_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
+        rpt = pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
         aid = adapter_ids.astype(jnp.int32)
         # Per (request, KV head) up-projections [B, Hkv, rp, *]: a gather of a few KB.
         bk_all = b_k.transpose(0, 2, 1, 3)[aid]  # [B, Hkv, R, D]
@@ -445,31 +433,12 @@ def _paged_attention(
             return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
 
         q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
-        if project_k:
-            if block_q != 1 or not swap_ab:
-                raise ValueError("project_k is for decode with swap_ab (one query token)")
-            # A[b, h] = [A_c; A_s] [2hp, gq*rp]: A_c[d, (g, r)] = q1 B1 + q2 B2, A_s = q2 B1 - q1 B2
-            gq = _next_pow2(G)
-            f32 = jnp.float32
-            qg = jnp.pad(qh[:, 0].astype(f32), ((0, 0), (0, 0), (0, gq - G), (0, 0)))
-            qa = _pad_axis(qg[..., :h], -1, hp)[:, :, :, None, :]  # [B, Hkv, gq, 1, hp]
-            qb = _pad_axis(qg[..., h:], -1, hp)[:, :, :, None, :]
-            b1 = bk1.astype(f32)[:, :, None]  # [B, Hkv, 1, rp, hp]
-            b2 = bk2.astype(f32)[:, :, None]
-            a_proj = jnp.concatenate([qa * b1 + qb * b2, qb * b1 - qa * b2], axis=-1)
-            a_proj = a_proj.transpose(0, 1, 4, 2, 3).reshape(B, Hkv, 2 * hp, gq * rp).astype(dt)
-            ec, es = rope_cos_sin(jnp.arange(m_pad * S), inv_freq)  # [positions, h]
-            e_tab = jnp.concatenate([_pad_axis(ec, -1, hp), _pad_axis(es, -1, hp)], -1).astype(dt)
-            e_spec = pl.BlockSpec(e_tab.shape, lambda h, i, j, b: (0, 0))
-            a_spec = pl.BlockSpec((None, None, 2 * hp, gq * rp), lambda h, i, j, b: (b, h, 0, 0))
-        else:
-            e_tab = a_proj = e_spec = a_spec = None
         offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
-        offc, offs = (jnp.broadcast_to(_pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
+        offc, offs = (jnp.broadcast_to(pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
                       for x in (offc, offs))
         n_kv_blocks = m_pad // ppb
         blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
-        blkc, blks = _pad_axis(blkc, -1, hp), _pad_axis(blks, -1, hp)
+        blkc, blks = pad_axis(blkc, -1, hp), pad_axis(blks, -1, hp)
         if layered:
             rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0, 0))
         else:
@@ -478,16 +447,26 @@ def _paged_attention(
         qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
         blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
         off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
-        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj)
+        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
         res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
-                     blk_spec, blk_spec, off_spec, off_spec, e_spec, a_spec)
+                     blk_spec, blk_spec, off_spec, off_spec)
+        kls = kls_spec = None
+        if k_prepass:  # the K LoRA term as scores, before the loop: the loop needs only rV
+            kls = k_lora_scores(q[:, 0], k_res, res_pages, prefix_lengths + 1, b_k, adapter_ids,
+                                inv_freq, layer, block_k=block_k, interpret=interpret)
+            kls_spec = pl.BlockSpec((None, m_pad * S, score_columns(Hq, Hkv)[0]),
+                                    lambda h, i, j, b: (b, 0, h))
+            keep = (3, 4)  # vr, rpt
+            res_args = tuple(x if i in keep else None for i, x in enumerate(res_args))
+            res_specs = tuple(x if i in keep else None for i, x in enumerate(res_specs))
     else:
         rp = 0
-        res_args = (None,) * 13
-        res_specs = (None,) * 13
-    (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj) = res_args
+        kls = kls_spec = None
+        res_args = (None,) * 11
+        res_specs = (None,) * 11
+    (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs) = res_args
     (q1_spec, q2_spec, kr_spec, vr_spec, rpt_spec, bk1_spec, bk2_spec,
-     blkc_spec, blks_spec, offc_spec, offs_spec, e_spec, a_spec) = res_specs
+     blkc_spec, blks_spec, offc_spec, offs_spec) = res_specs
 
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * LOG2E
     normalize = k_splits == 1 and not residual
@@ -513,21 +492,21 @@ def _paged_attention(
         _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
         k_splits=k_splits, scale=scale, residual=residual, normalize=normalize,
         reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
-        swap_ab=swap_ab, project_k=bool(project_k) and residual, skip_k_lora=skip_k_lora)
+        swap_ab=swap_ab, skip_k_lora=skip_k_lora)
     name = f"{'residual' if residual else 'unified'}_attention_bq{block_q}_bk{block_k}_ks{k_splits}"
     out = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[q_spec, q1_spec, q2_spec, pool_spec, pool_spec, kr_spec, vr_spec, pt_spec,
                   rpt_spec, per_req, per_req, None if layer is None else scalar,
-                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec, e_spec, a_spec],
+                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec, kls_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(qx, q1, q2, kb, vb, kr, vr, bpt, rpt, prefix_lengths, chunk_lengths, layer_arr,
-      bk1, bk2, blkc, blks, offc, offs, e_tab, a_proj)
+      bk1, bk2, blkc, blks, offc, offs, kls)
 
     if not normalize:
         o, m, l = out[:3]
@@ -550,7 +529,7 @@ def _paged_attention(
 
 _STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
                           "interpret", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "project_k")
+_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "k_prepass")
 _STATIC = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "block_q")
 _STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
 
@@ -584,7 +563,7 @@ def residual_attention_decode(
     num_stages=None,
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    project_k=False,  # tuning: K LoRA scores as (cos|sin table) @ A, no rotation in the loop
+    k_prepass=False,  # the K LoRA term as scores computed before the loop (k_lora_scores.py)
 ):
     """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3)."""
     lengths = lengths.astype(jnp.int32)
@@ -593,7 +572,7 @@ def residual_attention_decode(
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
         sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        reconstruct_k=reconstruct_k, swap_ab=swap_ab, project_k=project_k)
+        reconstruct_k=reconstruct_k, swap_ab=swap_ab, k_prepass=k_prepass)
     return out[:, 0]
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from forkjax.engine.sequence import SamplingParams
 from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.detokenizer import IncrementalDetokenizer
-from forkjax.server.engine_loop import EngineLoop, Output, RequestHandle
+from forkjax.server.engine_loop import EngineLoop, RequestHandle
 from forkjax.server.protocol import (
     MAX_CHOICES, APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, CompletionChoice,
