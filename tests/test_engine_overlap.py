@@ -9,6 +9,7 @@ import pytest
 
 import forkjax
 from conftest import SMALL
+from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sequence import PENDING, SamplingParams, Status
 
 
@@ -85,3 +86,26 @@ def test_abort_in_flight_keeps_the_cache_consistent():
     assert engine.stats()["base_hit_tokens"] - hits >= 64
     assert again == sync.generate([prompt + seq.output], adapters="planner", max_new_tokens=6,
                                   ignore_eos=True)
+
+
+def test_preemption_waits_for_the_step_in_flight(monkeypatch):
+    """Running requests outgrow a 12-page pool: the overlap engine must stop, take in the step in
+    flight, then preempt; outputs equal the synchronous engine's and a large pool's."""
+    raised = []
+    decode_batch = Scheduler._decode_batch
+
+    def spy(self, seqs, allow_preempt):
+        try:
+            return decode_batch(self, seqs, allow_preempt)
+        except PreemptionNeeded:
+            raised.append(len(seqs))
+            raise
+
+    monkeypatch.setattr(Scheduler, "_decode_batch", spy)
+    prompts = [_prompt(30 + i, 40) for i in range(3)]
+    names = ["planner", "coder", None]
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    small = {ov: _engine(ov, kv_cache_bytes=12 * (32768 + 65536)) for ov in (True, False)}
+    got = {ov: e.generate(prompts, adapters=names, **kw) for ov, e in small.items()}
+    assert raised and small[True].stats()["preemptions"] > 0
+    assert got[True] == got[False] == _engine(True).generate(prompts, adapters=names, **kw)
