@@ -185,8 +185,6 @@ class Engine:
                 continue  # a score request, or a prefill chunk short of the prompt's end
             seq.pending += 1
             seq.sample_row = i
-            out = len(seq.output) + seq.pending
-            seq.stopping = out >= seq.params.max_new_tokens or len(seq) >= self.max_model_len
             batch.samples.append(i)
 
     def _finish_inflight(self) -> list[Sequence]:

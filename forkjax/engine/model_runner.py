@@ -117,7 +117,7 @@ class ModelRunner:
         self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32)
         self._compiled: set = set()
         self.warm = False
-        self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last run()
+        self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
 
     def set_model(self, model):
         """(Re)split parameters after adapter slots changed; shapes never change, so the static

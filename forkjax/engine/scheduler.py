@@ -79,7 +79,7 @@ class Scheduler:
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
-        decoding = [s for s in self.running if not s.in_prefill and not s.stopping]
+        decoding = [s for s in self.running if not s.in_prefill and not self._last_in_flight(s)]
         if prefilling and (not decoding or self._last_kind == "decode"):
             batch = self._extend_batch(prefilling)
         elif decoding:
@@ -89,6 +89,12 @@ class Scheduler:
         self._last_kind = batch.kind
         batch.seqs, batch.chunks = _by_slot(batch.seqs, batch.chunks)
         return batch
+
+    def _last_in_flight(self, seq: Sequence) -> bool:
+        """Its last token is already sampled by a step in flight (max_new_tokens or the context
+        reached, counting pending tokens): it finishes when that step is taken in."""
+        return seq.pending > 0 and (len(seq.output) + seq.pending >= seq.params.max_new_tokens
+                                    or len(seq) >= self.max_model_len)
 
     def _admit(self):
         while self.waiting and len(self.running) < self.max_batch_size:

@@ -59,7 +59,6 @@ class Sequence:
         self.admitted = False  # admitted once already (a preempted request is not recounted)
         self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
         self.sample_row = 0  # row of its token in the last launched step's sampled output
-        self.stopping = False  # its last token is in flight: not scheduled again
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
         # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
         self.pending_copies: tuple[list, list] = ([], [])
