@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from forkjax.pallas_kernels.padding import next_pow2, pad_axis
+from forkjax.pallas_kernels.padding import flat_rows, lora_b_halves, next_pow2, pad_axis
 from forkjax.pallas_kernels.rope import rope_cos_sin
 
 
@@ -106,10 +106,8 @@ def k_lora_scores(
     ppb = block_k // S
     n_blocks = -(-res_pages.shape[1] // ppb)
     rpt = pad_axis(res_pages.astype(jnp.int32), 1, n_blocks * ppb)
-    kr = pad_axis(k_res, -1, rp)
-    kr = kr.reshape(kr.shape[:-3] + (-1, rp))
-    bk = b_k.transpose(0, 2, 1, 3)[adapter_ids]  # [B, Hkv, R, D]
-    bk1, bk2 = (pad_axis(pad_axis(x, 2, rp), 3, hp).astype(dt) for x in (bk[..., :h], bk[..., h:]))
+    kr = flat_rows(k_res, rp)
+    bk1, bk2 = lora_b_halves(b_k, adapter_ids, rp, hp, dt)
     c, s = rope_cos_sin(jnp.arange(n_blocks * block_k), inv_freq)  # [positions, D/2]
     c, s = pad_axis(c, 1, hp), pad_axis(s, 1, hp)
     # Queries in their own columns: Q^h[d, h * gp + g] = q[h * G + g, d].

@@ -15,3 +15,19 @@ def pad_axis(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths)
+
+
+def flat_rows(pool, width: int):
+    """[(L,) P, S, X] -> [(L,) P*S, width]: token rows for the kernels' row gathers (a free
+    reshape when X == width)."""
+    x = pad_axis(pool, -1, width)
+    return x.reshape(x.shape[:-3] + (-1, width))
+
+
+def lora_b_halves(b_k, adapter_ids, rp: int, hp: int, dtype):
+    """b_k [A, R, Hkv, D] -> each request's (first, second) rotate-half column halves
+    [B, Hkv, rp, hp] (a gather of a few KB)."""
+    h = b_k.shape[-1] // 2
+    bk = b_k.transpose(0, 2, 1, 3)[adapter_ids]  # [B, Hkv, R, D]
+    return tuple(pad_axis(pad_axis(x, 2, rp), 3, hp).astype(dtype)
+                 for x in (bk[..., :h], bk[..., h:]))

@@ -74,7 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from forkjax.pallas_kernels.k_lora_scores import k_lora_scores, score_columns
-from forkjax.pallas_kernels.padding import next_pow2, pad_axis
+from forkjax.pallas_kernels.padding import flat_rows, lora_b_halves, next_pow2, pad_axis
 from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -409,56 +409,43 @@ def _paged_attention(
         rp = max(16, next_pow2(R))
         h = D // 2
         hp = max(16, next_pow2(h))
-        Pr = k_res.shape[-3]
-        kr = pad_axis(k_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
-        vr = pad_axis(v_res, -1, rp).reshape(k_res.shape[:-3] + (Pr * S, rp))
+        vr = flat_rows(v_res, rp)
         rpt = pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
-        aid = adapter_ids.astype(jnp.int32)
-        # Per (request, KV head) up-projections [B, Hkv, rp, *]: a gather of a few KB.
-        bk_all = b_k.transpose(0, 2, 1, 3)[aid]  # [B, Hkv, R, D]
-        bv_all = b_v.transpose(0, 2, 1, 3)[aid]
-
-        def pad_up(x, width, dtype):
-            return jnp.pad(x.astype(dtype), ((0, 0), (0, 0), (0, rp - R), (0, width - x.shape[-1])))
-
-        bk1 = pad_up(bk_all[..., :h], hp, dt)
-        bk2 = pad_up(bk_all[..., h:], hp, dt)
         # B_v [B, Hkv, R, D]: applied after the split combine, outside the kernel (in the
         # kernel this one small dot set the register count, and so the occupancy, of the loop).
-        bv_sel = bv_all.astype(jnp.float32)
-        qh = q.astype(dt).reshape(B, T, Hkv, G, D)
-
-        def q_half(x):
-            x = jnp.pad(x, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, hp - h)))
-            return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
-
-        q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
-        offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
-        offc, offs = (jnp.broadcast_to(pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
-                      for x in (offc, offs))
-        n_kv_blocks = m_pad // ppb
-        blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
-        blkc, blks = pad_axis(blkc, -1, hp), pad_axis(blks, -1, hp)
-        if layered:
-            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0, 0))
-        else:
-            rpool_spec = pl.BlockSpec(kr.shape, lambda h, i, j, b: (0, 0))
-        up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
-        qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
-        blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
-        off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
-        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
-        res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
-                     blk_spec, blk_spec, off_spec, off_spec)
-        kls = kls_spec = None
+        bv_sel = b_v.transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
+        rpool_spec = pl.BlockSpec(vr.shape, lambda h, i, j, b: (0,) * vr.ndim)
         if k_prepass:  # the K LoRA term as scores, before the loop: the loop needs only rV
             kls = k_lora_scores(q[:, 0], k_res, res_pages, prefix_lengths + 1, b_k, adapter_ids,
                                 inv_freq, layer, block_k=block_k, interpret=interpret)
             kls_spec = pl.BlockSpec((None, m_pad * S, score_columns(Hq, Hkv)[0]),
                                     lambda h, i, j, b: (b, 0, h))
-            keep = (3, 4)  # vr, rpt
-            res_args = tuple(x if i in keep else None for i, x in enumerate(res_args))
-            res_specs = tuple(x if i in keep else None for i, x in enumerate(res_specs))
+            res_args = (None, None, None, vr, rpt) + (None,) * 6
+            res_specs = (None, None, None, rpool_spec, pt_spec) + (None,) * 6
+        else:  # rK, B_k halves, query halves and RoPE tables for the in-loop reconstruction
+            kls = kls_spec = None
+            kr = flat_rows(k_res, rp)
+            bk1, bk2 = lora_b_halves(b_k, adapter_ids.astype(jnp.int32), rp, hp, dt)
+            qh = q.astype(dt).reshape(B, T, Hkv, G, D)
+
+            def q_half(x):
+                x = jnp.pad(x, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, hp - h)))
+                return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
+
+            q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
+            offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
+            offc, offs = (jnp.broadcast_to(pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
+                          for x in (offc, offs))
+            n_kv_blocks = m_pad // ppb
+            blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
+            blkc, blks = pad_axis(blkc, -1, hp), pad_axis(blks, -1, hp)
+            up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
+            qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
+            blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
+            off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
+            res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
+            res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
+                         blk_spec, blk_spec, off_spec, off_spec)
     else:
         rp = 0
         kls = kls_spec = None
