@@ -374,9 +374,7 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     def c(**kw):
         return dict(base, **kw)
 
-    # k_prepass: the K LoRA term as scores computed before the loop (k_lora_scores.py).
-    res_grid = [c(block_k=bk, num_warps=4, num_stages=ns, swap_ab=True, k_prepass=kp)
-                for bk, ns, kp in [(64, 2, False), (32, 2, False), (64, 2, True), (64, 3, True)]]
+    res_grid = [c(block_k=bk, num_warps=4, num_stages=2, swap_ab=True) for bk in (64, 32)]
     uni_grid = [c(block_k=64, num_warps=4, num_stages=ns, swap_ab=False) for ns in (3, 4)]
     if SMOKE:
         res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]

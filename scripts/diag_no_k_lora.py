@@ -2,9 +2,9 @@
 
     cd scripts && PYTHONPATH=.. python3 diag_no_k_lora.py
 
-What the decode kernel's loop costs once the K reconstruction is gone (the floor of the
-`k_prepass` formulation before its prepass and score reads are added). Outputs are wrong on
-purpose (`skip_k_lora`); a diagnostic, not a benchmark.
+What the decode kernel's loop costs once the K reconstruction is gone (the floor of any
+formulation that takes the K LoRA term out of the loop). Outputs are wrong on purpose
+(`skip_k_lora`); a diagnostic, not a benchmark.
 """
 import sys
 

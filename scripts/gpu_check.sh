@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One device-tool command for a session's GPU check: the kernel and engine tests, the kernel
-# sweep at B=32 L=8k (picks the fastest decode formulation), the engine benchmark with and
-# without k_prepass. Writes 7 files under $OUT (the device tool returns at most 8). ~10 min.
+# A session's GPU checks and benchmarks as one device-tool command each, results under $OUT.
+# Stages, run in the order given (each time-boxed; a device command may run 10 min at most):
+#   tests   kernel + engine Pallas-path tests                      tests.log          ~5 min
+#   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
+#   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
+#   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
 #
-#   bash scripts/gpu_check.sh          # from the repository root, on the GPU machine
+#   bash scripts/gpu_check.sh sweep engine      # from the repository root, on the GPU machine
 set -u
 : "${OUT:?set OUT to the output folder}"
 export PYTHONPATH=.
@@ -13,14 +16,20 @@ run() {  # run <seconds> <log name> <command...>: time-boxed, log under $OUT, on
     timeout "$limit" "$@" > "$OUT/$log" 2>&1
     echo "$log: rc=$? $(grep -E 'passed|failed|error' "$OUT/$log" | tail -1)"
 }
-run 190 tests.log python3 -m pytest -q tests/test_residual_attention.py tests/test_engine_pallas.py
-timeout 150 python3 scripts/bench_kernels.py --sweep --quick --out "$OUT" > /dev/null 2>&1
-echo "bench_kernels: rc=$?"  # it writes bench_kernels.json and bench_kernels.log
-grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log"
-for opt in "" --k-prepass; do
-    run 115 "engine$opt.log" python3 scripts/bench_engine.py --batches 1,16,64 --steps 12 $opt \
-        --out "$OUT/engine$opt.json"
-    python3 - "$OUT/engine$opt.json" <<'PY'
+for stage in "$@"; do
+    case $stage in
+    tests)
+        run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py \
+            tests/test_engine_pallas.py ;;
+    sweep | table)
+        [ "$stage" = sweep ] && args="--sweep --quick" || args=""
+        timeout 300 python3 scripts/bench_kernels.py $args --out "$OUT" > /dev/null 2>&1
+        echo "bench_kernels $args: rc=$?"  # it writes bench_kernels.json and bench_kernels.log
+        grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log" ;;
+    engine)
+        run 150 engine.log python3 scripts/bench_engine.py --batches 1,16,64 --steps 12 \
+            --out "$OUT/engine.json"
+        python3 - "$OUT/engine.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for d in r["decode"]:
@@ -28,4 +37,7 @@ for d in r["decode"]:
           f"{d['host_share'] * 100:.1f}%, dispatch {d['dispatch_share'] * 100:.0f}%")
 print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
+        ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
 done

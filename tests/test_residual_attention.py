@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from forkjax.pallas_kernels import (
-    k_lora_scores,
-    k_lora_scores_reference,
     residual_attention_decode,
     residual_attention_decode_reference,
     residual_attention_extend,
@@ -191,14 +189,12 @@ def decode_case(seed, lengths, **kw):
 # ------------------------------------------------------------------ decode
 
 
-@pytest.mark.parametrize("k_splits,reconstruct_k,swap_ab,k_prepass",
-                         [(1, False, True, False), (4, True, True, False), (2, False, False, False),
-                          (2, False, True, True), (1, False, False, True)])
-def test_decode_lengths_f32(k_splits, reconstruct_k, swap_ab, k_prepass):
+@pytest.mark.parametrize("k_splits,reconstruct_k,swap_ab",
+                         [(1, False, True), (4, True, True), (2, False, False)])
+def test_decode_lengths_f32(k_splits, reconstruct_k, swap_ab):
     """Lengths 1, 37, 513 and page-aligned ones, mixed adapters (one v-only), NaN pages."""
     c = decode_case(0, [1, 37, 513, 512, 16, 48], dtype=np.float32)
-    out = run_decode(c, k_splits=k_splits, reconstruct_k=reconstruct_k, swap_ab=swap_ab,
-                     k_prepass=k_prepass)
+    out = run_decode(c, k_splits=k_splits, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 1e-3, err
 
@@ -216,29 +212,6 @@ def test_decode_ranks_and_gqa(r, group, dtype):
     assert err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("r,group,d,dtype", [
-    (1, 1, 64, jnp.bfloat16),  # one query per KV head: its scores fill 16 query rows
-    (8, 8, 64, np.float32),
-    (16, 4, 128, jnp.bfloat16),
-    (4, 2, 40, np.float32),  # odd head_dim, padded
-])
-def test_decode_k_prepass(r, group, d, dtype):
-    """The K LoRA term as prepass scores (k_lora_scores.py) gives the float64 model's output."""
-    c = decode_case(11, [1, 37, 100, 64, 513], r=r, group=group, d=d, dtype=dtype)
-    out = run_decode(c, k_splits=2, k_prepass=True)
-    err = rel_err(out[:, None], np_attention(c), c.chunk)
-    assert err < TOL[dtype], err
-
-
-def test_k_lora_scores_match_reference():
-    c = decode_case(12, [1, 37, 130], group=4, r=8, dtype=np.float32)
-    args = (c.q[:, 0], c.k_res, jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k,
-            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))
-    out, ref = k_lora_scores(*args, interpret=INTERPRET), k_lora_scores_reference(*args)
-    for b, n in enumerate(c.prefix + 1):  # rows past the length are not written
-        np.testing.assert_allclose(out[b, :n], ref[b, :n], rtol=1e-4, atol=1e-4)
-
-
 def test_decode_odd_head_dim():
     """head_dim 40 (not a power of two) goes through zero padding."""
     c = decode_case(2, [5, 37], d=40, r=4, group=2, dtype=np.float32)
@@ -251,11 +224,9 @@ def test_decode_rope_far_from_zero():
     c = decode_case(3, [30037], hkv=1, group=4, s=32, lora_scale=2.0, dtype=np.float32,
                     rope_base=500000.0)
     # Big blocks keep the interpreted loop short; on the GPU they would not fit shared memory.
-    for k_prepass in (False, True):
-        out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4,
-                         k_prepass=k_prepass)
-        err = rel_err(out[:, None], np_attention(c, sm_scale=0.5), c.chunk)
-        assert err < 1e-3, (k_prepass, err)
+    out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4)
+    err = rel_err(out[:, None], np_attention(c, sm_scale=0.5), c.chunk)
+    assert err < 1e-3, err
 
 
 def test_rope_tables_accurate():
@@ -344,11 +315,6 @@ def test_layered_pools_match_single_layer():
         layer=jnp.int32(1), interpret=INTERPRET)
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 1e-3, err
-    out_p = residual_attention_decode(  # the prepass reads the same layer
-        c.q[:, 0], stack(c.k_base), stack(c.v_base), stack(c.k_res), stack(c.v_res), pt, rt,
-        lens, c.b_k, c.b_v, jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq),
-        layer=jnp.int32(1), interpret=INTERPRET, k_prepass=True)
-    assert rel_err(out_p[:, None], np_attention(c), c.chunk) < 1e-3
     out_u = unified_attention_decode(c.q[:, 0], stack(c.k_base), stack(c.v_base), pt, lens,
                                      layer=1, interpret=INTERPRET)
     err = rel_err(out_u[:, None], np_attention(c, residual=False), c.chunk)

@@ -18,11 +18,6 @@ from forkjax.cache import write_kv
 from forkjax.models.attention import merge_kv
 
 
-# Tuning options for the residual decode kernel on the GPU (e.g. {"k_prepass": True}); read when
-# a step is traced, so set them before the engine compiles (bench_engine.py --k-prepass does).
-RESIDUAL_DECODE_OPTIONS: dict = {}
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedMeta:
@@ -56,10 +51,9 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
     if kind == "decode":
         lengths = m.prefix_lengths + 1
         if residual:
-            tuning = RESIDUAL_DECODE_OPTIONS if use_pallas else {}
             out = ops["res_decode"](q, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
                                     m.base_pages, m.res_pages, lengths, b_k4, b_v4,
-                                    m.adapter_ids, inv_freq, layer=layer, **extra, **tuning)
+                                    m.adapter_ids, inv_freq, layer=layer, **extra)
         else:
             out = ops["uni_decode"](q, pools.base_k, pools.base_v, m.base_pages, lengths,
                                     layer=layer, **extra)

@@ -4,8 +4,6 @@
   over a shared base pool (bCache) and a per-agent residual pool (rCache): `forkkv`, `lrshared`.
 * `unified_attention_decode` / `unified_attention_extend`: plain paged attention over a merged
   pool: `prefix`, `full_reuse`.
-* `k_lora_scores`: the K LoRA term q . RoPE(rK B_k) of every cached position, the prepass of
-  residual decode with `k_prepass=True`.
 * `*_reference`: dense plain-jnp versions of the same contracts (tests, CPU engine).
 
 All take head-major base pools `[Hkv, P, S, D]` (or `[L, Hkv, P, S, D]` plus `layer=`, which
@@ -13,7 +11,6 @@ avoids slicing a layer out of the pool, a copy in XLA). For zero-copy calls make
 residual rank R powers of two >= 16 (pad R with zero columns of A / zero rows of B).
 """
 
-from forkjax.pallas_kernels.k_lora_scores import k_lora_scores, k_lora_scores_reference
 from forkjax.pallas_kernels.residual_attention import (
     residual_attention_decode,
     residual_attention_decode_reference,
@@ -27,8 +24,6 @@ from forkjax.pallas_kernels.residual_attention import (
 from forkjax.pallas_kernels.rope import rope_cos_sin
 
 __all__ = [
-    "k_lora_scores",
-    "k_lora_scores_reference",
     "residual_attention_decode",
     "residual_attention_decode_reference",
     "residual_attention_extend",

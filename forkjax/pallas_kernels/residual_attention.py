@@ -27,11 +27,6 @@ online-softmax factor, and B_v is applied once, after the loop: the kernel write
 (r wide) and the split combine computes (acc + acc_r @ B_v) / l. (Doing that small dot inside
 the kernel raised its register count to the limit and cost a third of its occupancy.)
 
-`k_prepass=True` (decode option) moves the K LoRA term out of the loop: k_lora_scores.py computes
-q . RoPE_t(rK_t B_k) for every cached position first, and the loop adds those scores to q . bK,
-carrying no rotation tiles and no rK (its registers and shared memory are then close to the
-unified kernel's plus the rV stream).
-
 `swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
 the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
 (64-128 instead of the 16 query rows), the reconstructed tile feeds the MMA from registers as its
@@ -73,7 +68,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from forkjax.pallas_kernels.k_lora_scores import k_lora_scores, score_columns
 from forkjax.pallas_kernels.padding import flat_rows, lora_b_halves, next_pow2, pad_axis
 from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
 
@@ -107,7 +101,6 @@ def _attention_kernel(
     blks_ref,  # [NB, Hp] f32       sin at each block start position
     offc_ref,  # [2, block_k, Hp]   cos of the in-block offsets, twice (see lora_scores)
     offs_ref,  # [2, block_k, Hp]   sin of the in-block offsets, twice
-    kls_ref,  # [Mp*S, Gs] f32      K-LoRA scores of this request and head (k_prepass only)
     *out_refs,  # o [rows, Dp] normalised, or unnormalised o, m [rows], l [rows] (+ o_r [rows, Rp])
     block_q: int,
     gp: int,
@@ -203,18 +196,6 @@ def _attention_kernel(
             qr2 = (q2 * c0 - q1 * s0).astype(dt)
         return score(z1, rows_t(qr1)) + score(z2, rows_t(qr2))
 
-    def prepass_scores(kb):
-        """The block's K-LoRA scores [block_k, Gs] (Gs: the group padded to a power of two), in
-        score orientation; query row r takes head r % Gs (rows past the group are padding)."""
-        x = kls_ref[pl.ds(kb * block_k, block_k), :]
-        gs = x.shape[1]
-        if swap_ab:
-            return x if gs == rows else jnp.broadcast_to(
-                x[:, None, :], (block_k, rows // gs, gs)).reshape(block_k, rows)
-        x = x.T
-        return x if gs == rows else jnp.broadcast_to(
-            x[None], (rows // gs, gs, block_k)).reshape(rows, block_k)
-
     def pv(p, v):  # p in score orientation, v [block_k, X] -> [rows, X] ([X, rows] if swap_ab)
         return dot(v, p, trans_a=True) if swap_ab else dot(p, v)
 
@@ -229,9 +210,7 @@ def _attention_kernel(
         s = score(k, q_op)
         if residual:
             rows_r = rpt_ref[slots] * page_size + in_page
-            if kls_ref is not None:  # computed by the prepass (k_lora_scores.py)
-                s = s + prepass_scores(kb)
-            elif not skip_k_lora:
+            if not skip_k_lora:
                 rk = load_rows(kr_ref, rows_r)
                 s = s + lora_scores(kb, rk)
         s = s * scale
@@ -315,7 +294,6 @@ def _paged_attention(
     interpret,
     reconstruct_k=None,
     swap_ab=None,
-    k_prepass=False,
     skip_k_lora=False,
 ):
     layered = k_base.ndim == 5
@@ -366,11 +344,8 @@ def _paged_attention(
     m_pad = n_blocks * ppb
     if num_warps is None:
         num_warps = 4
-    k_prepass = bool(k_prepass) and residual
-    if k_prepass and T != 1:
-        raise ValueError("k_prepass is a decode option (one query token per request)")
     if num_stages is None:
-        num_stages = 3 if (not residual or k_prepass) and T == 1 else 2
+        num_stages = 3 if not residual and T == 1 else 2
 
     # q -> [B, Hkv, t_pad * gp, dp]
     qx = q.astype(dt).reshape(B, T, Hkv, G, D)
@@ -415,40 +390,31 @@ def _paged_attention(
         # kernel this one small dot set the register count, and so the occupancy, of the loop).
         bv_sel = b_v.transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
         rpool_spec = pl.BlockSpec(vr.shape, lambda h, i, j, b: (0,) * vr.ndim)
-        if k_prepass:  # the K LoRA term as scores, before the loop: the loop needs only rV
-            kls = k_lora_scores(q[:, 0], k_res, res_pages, prefix_lengths + 1, b_k, adapter_ids,
-                                inv_freq, layer, block_k=block_k, interpret=interpret)
-            kls_spec = pl.BlockSpec((None, m_pad * S, score_columns(Hq, Hkv)[0]),
-                                    lambda h, i, j, b: (b, 0, h))
-            res_args = (None, None, None, vr, rpt) + (None,) * 6
-            res_specs = (None, None, None, rpool_spec, pt_spec) + (None,) * 6
-        else:  # rK, B_k halves, query halves and RoPE tables for the in-loop reconstruction
-            kls = kls_spec = None
-            kr = flat_rows(k_res, rp)
-            bk1, bk2 = lora_b_halves(b_k, adapter_ids.astype(jnp.int32), rp, hp, dt)
-            qh = q.astype(dt).reshape(B, T, Hkv, G, D)
+        # rK, B_k halves, query halves and RoPE tables for the in-loop reconstruction
+        kr = flat_rows(k_res, rp)
+        bk1, bk2 = lora_b_halves(b_k, adapter_ids.astype(jnp.int32), rp, hp, dt)
+        qh = q.astype(dt).reshape(B, T, Hkv, G, D)
 
-            def q_half(x):
-                x = jnp.pad(x, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, hp - h)))
-                return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
+        def q_half(x):
+            x = jnp.pad(x, ((0, 0), (0, t_pad - T), (0, 0), (0, gp - G), (0, hp - h)))
+            return x.transpose(0, 2, 1, 3, 4).reshape(B, Hkv, t_pad * gp, hp)
 
-            q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
-            offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
-            offc, offs = (jnp.broadcast_to(pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
-                          for x in (offc, offs))
-            n_kv_blocks = m_pad // ppb
-            blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
-            blkc, blks = pad_axis(blkc, -1, hp), pad_axis(blks, -1, hp)
-            up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
-            qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
-            blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
-            off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
-            res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
-            res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
-                         blk_spec, blk_spec, off_spec, off_spec)
+        q1, q2 = q_half(qh[..., :h]), q_half(qh[..., h:])
+        offc, offs = rope_cos_sin(jnp.arange(block_k), inv_freq)  # [block_k, h]
+        offc, offs = (jnp.broadcast_to(pad_axis(x, -1, hp).astype(dt), (2, block_k, hp))
+                      for x in (offc, offs))
+        n_kv_blocks = m_pad // ppb
+        blkc, blks = rope_cos_sin(jnp.arange(n_kv_blocks) * block_k, inv_freq)
+        blkc, blks = pad_axis(blkc, -1, hp), pad_axis(blks, -1, hp)
+        up_spec = pl.BlockSpec((None, None, rp, hp), lambda h, i, j, b: (b, h, 0, 0))
+        qh_spec = pl.BlockSpec((None, None, rows, hp), lambda h, i, j, b: (b, h, i, 0))
+        blk_spec = pl.BlockSpec((n_kv_blocks, hp), lambda h, i, j, b: (0, 0))
+        off_spec = pl.BlockSpec((2, block_k, hp), lambda h, i, j, b: (0, 0, 0))
+        res_args = (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs)
+        res_specs = (qh_spec, qh_spec, rpool_spec, rpool_spec, pt_spec, up_spec, up_spec,
+                     blk_spec, blk_spec, off_spec, off_spec)
     else:
         rp = 0
-        kls = kls_spec = None
         res_args = (None,) * 11
         res_specs = (None,) * 11
     (q1, q2, kr, vr, rpt, bk1, bk2, blkc, blks, offc, offs) = res_args
@@ -486,14 +452,14 @@ def _paged_attention(
         grid=grid,
         in_specs=[q_spec, q1_spec, q2_spec, pool_spec, pool_spec, kr_spec, vr_spec, pt_spec,
                   rpt_spec, per_req, per_req, None if layer is None else scalar,
-                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec, kls_spec],
+                  bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(qx, q1, q2, kb, vb, kr, vr, bpt, rpt, prefix_lengths, chunk_lengths, layer_arr,
-      bk1, bk2, blkc, blks, offc, offs, kls)
+      bk1, bk2, blkc, blks, offc, offs)
 
     if not normalize:
         o, m, l = out[:3]
@@ -516,7 +482,7 @@ def _paged_attention(
 
 _STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
                           "interpret", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "k_prepass")
+_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k",)
 _STATIC = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "block_q")
 _STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
 
@@ -550,7 +516,6 @@ def residual_attention_decode(
     num_stages=None,
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    k_prepass=False,  # the K LoRA term as scores computed before the loop (k_lora_scores.py)
 ):
     """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3)."""
     lengths = lengths.astype(jnp.int32)
@@ -559,7 +524,7 @@ def residual_attention_decode(
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
         sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        reconstruct_k=reconstruct_k, swap_ab=swap_ab, k_prepass=k_prepass)
+        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
     return out[:, 0]
 
 
