@@ -24,6 +24,7 @@ import forkjax
 from forkjax.config import ModelConfig
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+from forkjax.pallas_kernels import residual_attention
 
 
 def copy_bandwidth() -> float:
@@ -96,11 +97,15 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--no-overlap", action="store_true", help="synchronous steps (no overlap scheduling)")
+    ap.add_argument("--target-programs", type=int,
+                    help="programs the decode kernels' split-K heuristic aims for (default 1024)")
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9,
                     help="KV pool budget (a smaller pool than the default 80%% of HBM compiles faster)")
     args = ap.parse_args()
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
     adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
+    if args.target_programs:  # read when the steps are traced, i.e. after this
+        residual_attention._TARGET_PROGRAMS = args.target_programs
     bw = copy_bandwidth()  # first: its 4 GiB buffers fit beside nothing else
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
@@ -110,6 +115,7 @@ def main():
     load_s = time.perf_counter() - t
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
                   policy=args.policy, overlap=engine.overlap,
+                  target_programs=residual_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,
                   command=" ".join(sys.argv), decode=[])

@@ -401,11 +401,22 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
             dict(best_eu[0][1]) if best_eu else dict(base))
 
 
+def run_split_sweep(base, bw, results):
+    """k_splits at the benchmark point (B=32, L=8k) and at the engine's decode shape (B=64, 2k)."""
+    points = ((2, 512, (1, 2)),) if SMOKE else ((32, 8192, (2, 4, 8)), (64, 2048, (1, 2, 4)))
+    results["sweep_splits"] = {
+        f"{method} B={B} L={L}": sweep_decode(B, L, [dict(base, k_splits=k) for k in splits],
+                                              method, bw)
+        for B, L, splits in points for method in ("residual", "unified")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--sweep", action="store_true", help="tune block sizes first")
     ap.add_argument("--quick", action="store_true", help="B=32 L=8k and extend 8k only")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only time decode over k_splits (B=32 L=8k, B=64 L=2k)")
     ap.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU check)")
     args = ap.parse_args()
     global SMOKE
@@ -437,6 +448,10 @@ def main():
     cfg_res, cfg_uni = dict(base), dict(base)
     cfg_res_ext, cfg_uni_ext = dict(base), dict(base)
     B0, L0, LX, TX = (2, 512, 256, 64) if SMOKE else (32, 8192, 8192, 2048)
+    if args.split_sweep:
+        run_split_sweep(base, bw, results)
+        save()
+        return
     if args.sweep:
         cfg_res, cfg_uni, cfg_res_ext, cfg_uni_ext = run_sweeps(base, B0, L0, LX, TX, bw, mm,
                                                                 results)
