@@ -2,8 +2,10 @@
 
     PYTHONPATH=. python3 scripts/diag_mosaic_gpu.py      # compiled on a GPU, interpreted on a CPU
 
-Three tiny Pallas Mosaic GPU kernels, each checked against jnp:
-  1. TMA copies GMEM -> SMEM with a barrier, one wgmma into a register accumulator, TMA store.
+Tiny Pallas Mosaic GPU kernels, each checked against jnp:
+  1. TMA copies GMEM -> SMEM with a barrier, one wgmma into a register accumulator, TMA store;
+     again with the A operand in registers, and with the accumulator carried as a value
+     (`run_state`). In jax 0.11.2 the CPU interpreter supports neither of those two variants.
   2. Warp specialisation: warpgroup 0 loads tiles (TMA, one barrier per buffer), warpgroup 1
      waits, multiplies and releases the buffer through a second barrier, over a loop.
   3. A paged gather: page ids read from a GMEM table, one TMA copy per page of an [P, S, D] pool
@@ -30,18 +32,27 @@ def _kernel(body, out_type, **kw):
     return jax.jit(plgpu.kernel(body, out_type=out_type, interpret=interpret, **kw))
 
 
-def matmul_once():
+def matmul_once(how="smem"):
+    """how: "smem" (both operands in shared memory, a scoped accumulator), "registers_a" (A
+    loaded into registers first, as P is in P @ V) or "run_state" (the accumulator passed in as
+    a value, as FlashAttention-3 carries it across its loop)."""
     def body(a_gmem, b_gmem, o_gmem, a_smem, b_smem, o_smem, bar):
         for src, dst, i in ((a_gmem, a_smem, 0), (b_gmem, b_smem, 1)):
             plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
             plgpu.barrier_wait(bar.at[i])
+        a = plgpu.layout_cast(a_smem[...], plgpu.Layout.WGMMA) if how == "registers_a" else a_smem
 
         def mma(acc):  # an accumulator lives in its own scope (registers)
-            plgpu.wgmma(acc, a_smem, b_smem)
+            plgpu.wgmma(acc, a, b_smem)
             plgpu.wgmma_wait(0)
             return acc[...]
 
-        o_smem[...] = pl.run_scoped(mma, plgpu.ACC((M, N), jnp.float32)).astype(F16)
+        if how == "run_state":
+            zero = plgpu.layout_cast(jnp.zeros((M, N), jnp.float32), plgpu.Layout.WGMMA)
+            out = pl.run_state(lambda acc: plgpu.wgmma(acc, a_smem, b_smem))(plgpu.ACC.init(zero))
+        else:
+            out = pl.run_scoped(mma, plgpu.ACC((M, N), jnp.float32))
+        o_smem[...] = out.astype(F16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0)
@@ -122,13 +133,16 @@ def paged_gather(pages=(5, 17, 3, 30), P=32, S=16, D=64):
 
 def main():
     print(f"backend {jax.default_backend()}, jax {jax.__version__}")
-    for check in (matmul_once, warp_specialised, paged_gather):
+    checks = {"matmul": matmul_once, "matmul, A in registers": lambda: matmul_once("registers_a"),
+              "matmul, run_state accumulator": lambda: matmul_once("run_state"),
+              "warp specialised": warp_specialised, "paged gather": paged_gather}
+    for name, check in checks.items():
         try:
             out, ref = check()
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-            print(f"{check.__name__}: max abs error {err:.4f} (fp16 output)")
+            print(f"{name}: max abs error {err:.4f} (fp16 output)")
         except Exception as e:  # noqa: BLE001  a diagnostic: report and go on
-            print(f"{check.__name__}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            print(f"{name}: FAILED {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}")
 
 
 if __name__ == "__main__":
