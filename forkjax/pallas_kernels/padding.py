@@ -23,11 +23,3 @@ def flat_rows(pool, width: int):
     x = pad_axis(pool, -1, width)
     return x.reshape(x.shape[:-3] + (-1, width))
 
-
-def lora_b_halves(b_k, adapter_ids, rp: int, hp: int, dtype):
-    """b_k [A, R, Hkv, D] -> each request's (first, second) rotate-half column halves
-    [B, Hkv, rp, hp] (a gather of a few KB)."""
-    h = b_k.shape[-1] // 2
-    bk = b_k.transpose(0, 2, 1, 3)[adapter_ids]  # [B, Hkv, R, D]
-    return tuple(pad_axis(pad_axis(x, 2, rp), 3, hp).astype(dtype)
-                 for x in (bk[..., :h], bk[..., h:]))

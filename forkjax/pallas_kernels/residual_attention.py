@@ -68,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from forkjax.pallas_kernels.padding import flat_rows, lora_b_halves, next_pow2, pad_axis
+from forkjax.pallas_kernels.padding import flat_rows, next_pow2, pad_axis
 from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -384,15 +384,18 @@ def _paged_attention(
         rp = max(16, next_pow2(R))
         h = D // 2
         hp = max(16, next_pow2(h))
-        vr = flat_rows(v_res, rp)
+        kr, vr = flat_rows(k_res, rp), flat_rows(v_res, rp)
+        rpool_spec = pl.BlockSpec(vr.shape, lambda h, i, j, b: (0,) * vr.ndim)
         rpt = pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
+        aid = adapter_ids.astype(jnp.int32)
         # B_v [B, Hkv, R, D]: applied after the split combine, outside the kernel (in the
         # kernel this one small dot set the register count, and so the occupancy, of the loop).
-        bv_sel = b_v.transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
-        rpool_spec = pl.BlockSpec(vr.shape, lambda h, i, j, b: (0,) * vr.ndim)
-        # rK, B_k halves, query halves and RoPE tables for the in-loop reconstruction
-        kr = flat_rows(k_res, rp)
-        bk1, bk2 = lora_b_halves(b_k, adapter_ids.astype(jnp.int32), rp, hp, dt)
+        bv_sel = b_v.transpose(0, 2, 1, 3)[aid].astype(jnp.float32)
+        # Each request's B_k rotate-half column halves [B, Hkv, rp, hp] (a gather of a few KB),
+        # query halves and RoPE tables for the in-loop reconstruction.
+        bk = b_k.transpose(0, 2, 1, 3)[aid]  # [B, Hkv, R, D]
+        bk1, bk2 = (pad_axis(pad_axis(x, 2, rp), 3, hp).astype(dt)
+                    for x in (bk[..., :h], bk[..., h:]))
         qh = q.astype(dt).reshape(B, T, Hkv, G, D)
 
         def q_half(x):
