@@ -22,4 +22,3 @@ def flat_rows(pool, width: int):
     reshape when X == width)."""
     x = pad_axis(pool, -1, width)
     return x.reshape(x.shape[:-3] + (-1, width))
-
