@@ -204,7 +204,22 @@ def decode_fns(cfg_res, cfg_uni):
             outs.append(unified_attention_decode(d["q"], k, v, pt, d["lengths"], **cfg_uni))
         return outs
 
-    return {"residual": residual, "unified": unified, "jax_paged": jax_paged, "naive": naive}
+    def mgpu_residual(d):  # the Mosaic GPU warp-specialised kernel (mgpu_decode.py)
+        from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode
+
+        return [mgpu_residual_decode(
+            d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"][i], d["rpt"][i], d["lengths"],
+            d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res)
+            for i in range(d["bpt"].shape[0])]
+
+    def mgpu_unified(d):
+        from forkjax.pallas_kernels.mgpu_decode import mgpu_unified_decode
+
+        return [mgpu_unified_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"], **cfg_uni)
+                for i in range(d["bpt"].shape[0])]
+
+    return {"residual": residual, "unified": unified, "jax_paged": jax_paged, "naive": naive,
+            "mgpu_residual": mgpu_residual, "mgpu_unified": mgpu_unified}
 
 
 def decode_bytes(B, L, residual):
@@ -312,7 +327,7 @@ def sweep_decode(B, L, grid, method, peak_bw):
             ms, _ = time_ms(jax.jit(fns[method]), (d,), iters=6)
             ms /= n_sets
             out.append((ms, cfg))
-            frac = decode_bytes(B, L, method == "residual") / (ms * 1e-3) / peak_bw
+            frac = decode_bytes(B, L, method.endswith("residual")) / (ms * 1e-3) / peak_bw
             log(f"  sweep {method} B={B} L={L} {cfg}: {ms * 1e3:.1f} us ({frac * 100:.0f}%)")
         except Exception as e:  # noqa: BLE001
             log(f"  sweep {method} {cfg}: ERR {type(e).__name__}: {str(e)[:200]}")
@@ -410,6 +425,18 @@ def run_split_sweep(base, bw, results):
         for B, L, splits in points for method in ("residual", "unified")}
 
 
+def run_mgpu_sweep(base, bw, results):
+    """The Mosaic GPU decode kernels over (stages, k_splits) beside the Triton defaults."""
+    points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
+    grid = [dict(base, stages=st, consumers=c, k_splits=ks)
+            for st, c in ((2, 1), (3, 1), (2, 2), (4, 2)) for ks in (1, 2)]
+    results["sweep_mgpu"] = {}
+    for B, L in points:
+        for method in ("unified", "mgpu_unified", "residual", "mgpu_residual"):
+            cfgs = grid if method.startswith("mgpu") else [dict(base)]
+            results["sweep_mgpu"][f"{method} B={B} L={L}"] = sweep_decode(B, L, cfgs, method, bw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out")
@@ -417,6 +444,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="B=32 L=8k and extend 8k only")
     ap.add_argument("--split-sweep", action="store_true",
                     help="only time decode over k_splits (B=32 L=8k, B=64 L=2k)")
+    ap.add_argument("--mgpu", action="store_true",
+                    help="only time the Mosaic GPU decode kernels (B=32 L=8k, B=64 L=2k)")
     ap.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU check)")
     args = ap.parse_args()
     global SMOKE
@@ -448,8 +477,8 @@ def main():
     cfg_res, cfg_uni = dict(base), dict(base)
     cfg_res_ext, cfg_uni_ext = dict(base), dict(base)
     B0, L0, LX, TX = (2, 512, 256, 64) if SMOKE else (32, 8192, 8192, 2048)
-    if args.split_sweep:
-        run_split_sweep(base, bw, results)
+    if args.split_sweep or args.mgpu:
+        (run_mgpu_sweep if args.mgpu else run_split_sweep)(base, bw, results)
         save()
         return
     if args.sweep:

@@ -5,6 +5,8 @@
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
+#   mgpu    Mosaic GPU kernel tests, bench_kernels.py --mgpu        mgpu_tests.log,    ~2 min
+#                                                                   bench_kernels.*
 #
 #   bash scripts/gpu_check.sh sweep engine      # from the repository root, on the GPU machine
 set -u
@@ -21,6 +23,11 @@ for stage in "$@"; do
     tests)
         run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py \
             tests/test_engine_pallas.py ;;
+    mgpu)  # a hung kernel blocks the device for later commands: this stage goes last
+        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py
+        timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
+        echo "bench_kernels --mgpu: rc=$?"
+        grep -E "sweep" "$OUT/bench_kernels.log" ;;
     sweep | table)
         [ "$stage" = sweep ] && args="--sweep --quick" || args=""
         timeout 300 python3 scripts/bench_kernels.py $args --out "$OUT" > /dev/null 2>&1

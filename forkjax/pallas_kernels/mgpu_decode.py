@@ -1,0 +1,376 @@
+"""Paged decode attention on Pallas' Mosaic GPU backend, warp-specialised.
+
+Why a second decode kernel: in the Triton kernel every key block runs one serial chain
+QK^T -> y = rK B_k -> rotation -> softmax -> PV in one warpgroup, with two programs per SM, so
+the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgroups:
+  producer    streams K pages (as two column halves), V pages and rK/rV pages by TMA into a
+              ring of `stages` slots;
+  K-LoRA      (residual only) rebuilds K = bK + RoPE(rK B_k) of each block in place in the ring,
+              RoPE by angle addition: (block start) x (offset 0..63 in the block);
+  consumers   `consumers` attention warpgroups take alternate blocks: S = Q K^T, online softmax,
+              O += P V and O_r += P rV; each writes its own split-K partial, B_v is applied
+              once after the combine (as in the Triton kernel).
+So the K-LoRA work and the two consumers' chains overlap instead of adding up.
+
+Status (H200, BENCHMARKS.md "Mosaic GPU decode kernels"): not used by the engine. The unified
+kernel matches the Triton one (B=32, L=8k: 264.7 vs 260.8 us); the residual one is slower than
+the Triton kernel (443.5 vs ~420 us; 262 vs 236 us at B=64, L=2k). Our reading, not measured
+per stage: the single K-LoRA warpgroup is now the serial chain (every block of a CTA passes
+through it: a GMEM load of the block's cos|sin, two wgmmas, ~10 element-wise ops per K element
+and a read-modify-write of the K tile), so the next steps are prefetching the block rotation
+one step ahead, one K-LoRA warpgroup per consumer, and a per-stage timing like diag_decode's.
+
+Layout (the Triton split-K partials, so the combine is the same):
+  q      [B, Hkv, nh, 64, D/nh]  the G query heads of KV head h in rows 0..G-1, zero rows after
+                                 (wgmma's M is 64); nh = 2 halves for the rotate-half RoPE
+  pools  [L, Hkv, P, 16, D]      a block of 64 keys is 4 pages, one TMA copy each (per half);
+                                 L = 1 (added) when the caller passes one layer
+  pages  [B, Mp] int32           Mp a multiple of 4; entries past a sequence are valid page ids
+  out    o [B, KS*C, Hkv, 64, D], ml [B, KS*C, Hkv, 2, 64], o_r [.., 64, R], float32
+Split ks takes key blocks ks, ks + KS, ...; consumer c of a split every C-th of those.
+Ring slots are used round-robin, so with stages a multiple of C each consumer owns fixed slots
+and observes every phase of their barriers (Mosaic GPU tracks barrier phases per waiter).
+
+P goes through shared memory into its wgmma and accumulators are scoped refs: the only forms
+the CPU interpreter runs in jax 0.11.2 (scripts/diag_mosaic_gpu.py), so CI tests this kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forkjax.pallas_kernels.rope import rope_cos_sin
+
+ROWS = 64  # wgmma M: the query rows of one KV head, padded
+BLOCK_K = 64  # keys per step: 4 pages of 16
+PAGE = 16
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+WGMMA = plgpu.Layout.WGMMA
+
+
+def _tiles(cols: int, dtype) -> tuple:
+    """Tiling + swizzle for a [rows, cols] shared-memory operand of wgmma / TMA."""
+    swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _mma(pairs, shapes):
+    """Issue sum_i a_i @ b_i for each output (a list of (a, b) pairs per output), all operands
+    in shared memory, then wait once -> float32 values [M, N] per output."""
+    def run(*accs):
+        for acc, terms in zip(accs, pairs):
+            for a, b in terms:
+                plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(run, *[plgpu.ACC(s, jnp.float32) for s in shapes])
+
+
+def _launch_registers(n_wg: int) -> int:
+    return min(248, 65536 // (128 * n_wg) // 8 * 8)
+
+
+def _set_registers(regs: int, n_wg: int):
+    """setmaxnreg for this warpgroup: the producer gives registers to the math warpgroups."""
+    launch = _launch_registers(n_wg)
+    if regs != launch:
+        plgpu.set_max_registers(regs, action="increase" if regs > launch else "decrease")
+
+
+def _register_split(consumers: int, residual: bool) -> tuple[int, int]:
+    """(consumer, K-LoRA) registers per thread. The warpgroups share what the CTA was launched
+    with (an increase beyond it waits forever): launch * warpgroups, 40 for the producer."""
+    n_wg = consumers + 1 + residual
+    budget = _launch_registers(n_wg) * n_wg - 40
+    k_regs = min(240, budget // (consumers + 1) // 8 * 8) if residual else 0
+    return min(240, (budget - k_regs) // consumers // 8 * 8), k_regs
+
+
+def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: int, stages: int,
+            consumers: int, scale: float, residual: bool):
+    if residual:
+        (kr_ref, vr_ref, rpt_ref, bk_ref, blk_ref, off_ref, o_ref, ml_ref, or_ref,
+         q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free, v_free,
+         kr_smem, vr_smem, pr_smem, off_smem, bk_smem, const_bar, r_ready, km_ready) = rest
+    else:
+        (o_ref, ml_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free,
+         v_free) = rest
+    b, h, ks = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("ks")
+    wg = lax.axis_index("wg")
+    ppb = BLOCK_K // PAGE
+    nh, _, dh = q_smem.shape
+    d = nh * dh
+    length = len_ref[b]
+    layer = layer_ref[0]
+    steps = pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
+    n_wg = consumers + 1 + residual
+    c_regs, k_regs = _register_split(consumers, residual)
+
+    def block_of(i):  # the key block of this split's i-th step
+        return ks + i * k_splits
+
+    @pl.when(wg == consumers + residual)
+    def _producer():
+        _set_registers(40, n_wg)
+
+        @pl.loop(0, steps)
+        def _(i):
+            slot = lax.rem(i, stages)
+            kb = block_of(i)
+
+            @pl.when(i >= stages)  # the slot's previous tiles are consumed
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+            for p in range(ppb):
+                page = pt_ref[b, kb * ppb + p]
+                rows = pl.ds(p * PAGE, PAGE)
+                for x in range(nh):
+                    plgpu.copy_gmem_to_smem(k_ref.at[layer, h, page, :, pl.ds(x * dh, dh)],
+                                            k_smem.at[slot, x, rows], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, h, page], v_smem.at[slot, rows],
+                                        v_ready.at[slot])
+                if residual:
+                    rpage = rpt_ref[b, kb * ppb + p]
+                    plgpu.copy_gmem_to_smem(kr_ref.at[layer, rpage], kr_smem.at[slot, rows],
+                                            r_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(vr_ref.at[layer, rpage], vr_smem.at[slot, rows],
+                                            v_ready.at[slot])
+
+        @pl.loop(jnp.maximum(steps - stages, 0), steps)  # observe the last releases
+        def _(i):
+            plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
+            plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
+
+    if residual:
+        @pl.when(wg == consumers)
+        def _k_lora():  # K_t += RoPE_t(rK_t B_k), by column halves [x1, x2] of rotate-half
+            _set_registers(k_regs, n_wg)
+            for j in range(2):  # (a TMA copy may stride over 5 dimensions, tiles included)
+                plgpu.copy_gmem_to_smem(bk_ref.at[b, h, j], bk_smem.at[j], const_bar)
+            plgpu.copy_gmem_to_smem(off_ref, off_smem, const_bar)
+            plgpu.barrier_wait(const_bar)
+
+            @pl.loop(0, steps)
+            def _(i):
+                slot = lax.rem(i, stages)
+                # cos | sin of the block start, straight from GMEM (L2): loaded before the
+                # waits to hide their latency; as vectors along the columns of a wgmma tile
+                cb, sb = (plgpu.load(blk_ref.at[block_of(i), j], layout=WGMMA.reduce(0),
+                                     optimized=False) for j in range(2))
+                plgpu.barrier_wait(r_ready.at[slot])
+                y1, y2 = _mma([[(kr_smem.at[slot], bk_smem.at[0])],
+                               [(kr_smem.at[slot], bk_smem.at[1])]], [(BLOCK_K, dh)] * 2)
+                # angle addition: (block start) then (offset in the block)
+                cb = lax.broadcast_in_dim(cb, y1.shape, [1])
+                sb = lax.broadcast_in_dim(sb, y1.shape, [1])
+                co = off_smem[0].astype(jnp.float32)
+                so = off_smem[1].astype(jnp.float32)
+                c = co * cb - so * sb
+                s = so * cb + co * sb
+                plgpu.barrier_wait(k_ready.at[slot])
+                k1 = k_smem[slot, 0].astype(jnp.float32) + (y1 * c - y2 * s)
+                k2 = k_smem[slot, 1].astype(jnp.float32) + (y2 * c + y1 * s)
+                k_smem[slot, 0] = k1.astype(k_smem.dtype)
+                k_smem[slot, 1] = k2.astype(k_smem.dtype)
+                plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
+                plgpu.barrier_arrive(km_ready.at[slot])
+
+    @pl.when(wg < consumers)
+    def _attention():
+        _set_registers(c_regs, n_wg)
+        c = wg
+        for x in range(nh):  # each consumer loads (the same) q and tracks its own copy
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, x], q_smem.at[x], q_bar.at[c])
+        plgpu.barrier_wait(q_bar.at[c])
+        ready = km_ready if residual else k_ready
+        m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), WGMMA.reduce(1))
+        o = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), WGMMA)
+        o_r = (plgpu.layout_cast(jnp.zeros((ROWS, vr_smem.shape[-1]), jnp.float32), WGMMA)
+               if residual else None)
+
+        def step(t, carry):
+            o, o_r, m, l = carry
+            i = c + t * consumers
+            slot = lax.rem(i, stages)
+            kb = block_of(i)
+            plgpu.barrier_wait(ready.at[slot])
+            (s,) = _mma([[(q_smem.at[x], k_smem.at[slot, x].transpose((1, 0)))
+                          for x in range(nh)]], [(ROWS, BLOCK_K)])
+            plgpu.barrier_arrive(k_free.at[slot])
+            key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1,
+                                                        layout=WGMMA)
+            s = jnp.where(key < length, s * scale, MASK_VALUE)  # NaN keys past the end too
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p_.sum(axis=1)
+            p_smem[c] = p_.astype(p_smem.dtype)
+            if residual:
+                pr_smem[c] = p_.astype(p_smem.dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+            vs = (v_smem, vr_smem) if residual else (v_smem,)
+
+            @pl.when((kb + 1) * BLOCK_K > length)  # the last block: zero V rows past the end
+            def _():                               # (0 * NaN in an unused slot is NaN)
+                for ref in vs:
+                    v = plgpu.load(ref.at[slot], layout=WGMMA)
+                    row = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                                                layout=WGMMA)
+                    ref[slot] = jnp.where(row < length, v, jnp.zeros_like(v))
+
+            plgpu.commit_smem()
+            pv = _mma([[(p_smem.at[c], v_smem.at[slot])]]
+                      + ([[(pr_smem.at[c], vr_smem.at[slot])]] if residual else []),
+                      [(ROWS, ref.shape[-1]) for ref in vs])
+            plgpu.barrier_arrive(v_free.at[slot])
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [0]) + pv[0]
+            if residual:  # acc_r: the same rescale; B_v waits for the combine
+                o_r = o_r * lax.broadcast_in_dim(alpha, o_r.shape, [0]) + pv[1]
+            return o, o_r, m_new, l
+
+        o, o_r, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
+                                     (o, o_r, m, l))
+        split = ks * consumers + c
+        o_ref[b, split, h] = o
+        ml_ref[b, split, h, 0] = m
+        ml_ref[b, split, h, 1] = l
+        if residual:
+            or_ref[b, split, h] = o_r
+
+
+def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits,
+            stages, consumers, interpret):
+    B, Hq, D = q.shape
+    Hkv, _, S, _ = k_pages.shape[-4:]
+    if layer is None:  # one layer: a leading axis of 1 (a free reshape), layer 0
+        layer = 0
+        k_pages, v_pages = k_pages[None], v_pages[None]
+        if res is not None:
+            res = (res[0][None], res[1][None]) + tuple(res[2:])
+    G = Hq // Hkv
+    R = 0 if res is None else res[0].shape[-1]
+    nh = 1 if res is None else 2
+    dh = D // nh
+    if not supports(Hq, Hkv, D, S, R, k_pages.dtype):
+        raise ValueError(f"mgpu decode: no kernel for Hq={Hq} Hkv={Hkv} D={D} page={S} R={R} "
+                         f"{k_pages.dtype}")
+    if stages % consumers:
+        raise ValueError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
+    ppb = BLOCK_K // S
+    mp = -(-page_table.shape[1] // ppb) * ppb
+    pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
+    dt = k_pages.dtype
+    f32 = jnp.float32
+    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, nh, dh).transpose(0, 1, 3, 2, 4),
+                 ((0, 0), (0, 0), (0, 0), (0, ROWS - G), (0, 0)))
+    scale = (D ** -0.5 if sm_scale is None else sm_scale) * math.log2(math.e)
+    n_out = k_splits * consumers
+    out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, D), f32),
+                jax.ShapeDtypeStruct((B, n_out, Hkv, 2, ROWS), f32)]
+    scratch = [
+        plgpu.SMEM((nh, ROWS, dh), dt, transforms=_tiles(dh, dt)),  # q
+        plgpu.SMEM((stages, nh, BLOCK_K, dh), dt, transforms=_tiles(dh, dt)),  # K (halves)
+        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # V
+        plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(BLOCK_K, dt)),  # P
+        plgpu.Barrier(num_arrivals=nh, num_barriers=consumers),  # q, one per consumer
+        plgpu.Barrier(num_arrivals=ppb * nh, num_barriers=stages),  # K pages landed
+        plgpu.Barrier(num_arrivals=ppb * (2 if R else 1), num_barriers=stages),  # V (and rV)
+        plgpu.Barrier(num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_barriers=stages),  # V slot free
+    ]
+    args = [qx, k_pages, v_pages, pad_pages(page_table), lengths.astype(jnp.int32),
+            jnp.asarray(layer, jnp.int32).reshape(1)]
+    if res is not None:
+        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+        bk = b_k.transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B, Hkv, R, D]
+        bk = jnp.stack([bk[..., :dh], bk[..., dh:]], 2).astype(dt)  # [B, Hkv, 2, R, D/2]
+        blk = jnp.stack(rope_cos_sin(jnp.arange(mp // ppb) * BLOCK_K, inv_freq), 1)
+        off = jnp.stack(rope_cos_sin(jnp.arange(BLOCK_K), inv_freq)).astype(dt)
+        args += [k_res, v_res, pad_pages(res_pages), bk, blk, off]  # blk [n_blocks, 2, D/2]
+        out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, R), f32))
+        scratch += [
+            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rK
+            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rV
+            # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: P rV takes
+            # a copy of P in rV's narrow tiling (in V's, the copy of V has too many TMA dims),
+            # and B_k takes rK's (rK B_k).
+            plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(R, dt)),  # P again
+            plgpu.SMEM((2, BLOCK_K, dh), dt, transforms=_tiles(dh, dt)),  # cos | sin of offsets
+            plgpu.SMEM((2, R, dh), dt, transforms=_tiles(R, dt)),  # B_k halves
+            plgpu.Barrier(num_arrivals=3),  # B_k halves, offsets
+            plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # rK pages
+            plgpu.Barrier(num_barriers=stages),  # K rebuilt
+        ]
+    residual = res is not None
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, k_splits=k_splits, stages=stages, consumers=consumers,
+                          scale=scale, residual=residual),
+        out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hkv, k_splits),
+        grid_names=("b", "h", "ks"), num_threads=consumers + 1 + residual, thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    outs = kernel(*args)
+    o, ml = outs[:2]
+    m, l = ml[:, :, :, 0], ml[:, :, :, 1]
+    w = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))  # [B, KS*C, Hkv, ROWS]
+    o = jnp.sum(w[..., None] * o, axis=1)
+    if residual:  # acc + acc_r @ B_v, once, on the combined accumulator
+        o_r = jnp.sum(w[..., None] * outs[2], axis=1)
+        bv = b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]
+        o = o + jnp.einsum("bhnr,bhrd->bhnd", o_r, bv, precision=lax.Precision.HIGHEST)
+    l_sum = jnp.sum(w * l, axis=1)
+    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    return o[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
+
+
+def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
+    """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified)."""
+    return (page_size == PAGE and D in (64, 128) and Hq // Hkv <= ROWS and R in (0, 16, 32)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+_STATIC = ("sm_scale", "k_splits", "stages", "consumers", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
+                         b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
+                         k_splits: int = 1, stages: int = 4, consumers: int = 2,
+                         interpret: bool = False):
+    """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R a
+    16 or 32, D 64 or 128, bf16/f16) -> [B, Hq, D]."""
+    return _decode(q, k_base, v_base, base_pages, lengths,
+                   (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
+                   sm_scale=sm_scale, k_splits=k_splits, stages=stages, consumers=consumers,
+                   interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mgpu_unified_decode(
+    q,  # [B, Hq, D]      current token's query, RoPE applied
+    k_pages,  # [Hkv, P, 16, D] merged keys; [L, Hkv, P, 16, D] with `layer`
+    v_pages,  # [Hkv, P, 16, D]
+    page_table,  # [B, M] int32
+    lengths,  # [B] int32  tokens to attend, the current one included
+    *,
+    layer=None,  # int32 scalar: the layer when the pools carry a leading L axis
+    sm_scale=None,
+    k_splits: int = 1,
+    stages: int = 4,
+    consumers: int = 2,
+    interpret: bool = False,
+):
+    """Plain paged GQA decode (the `unified_attention_decode` contract) -> [B, Hq, D]."""
+    return _decode(q, k_pages, v_pages, page_table, lengths, None, layer, sm_scale=sm_scale,
+                   k_splits=k_splits, stages=stages, consumers=consumers, interpret=interpret)

@@ -1,0 +1,61 @@
+"""Mosaic GPU decode kernels (mgpu_decode.py) against the float64 model: interpreted on the CPU
+(the interpreter also checks the barrier protocol), compiled on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode, mgpu_unified_decode
+from test_residual_attention import decode_case, np_attention, rel_err
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def layered(pool):
+    """[L=2, ...] pools whose layer 0 is NaN: the kernel must read only `layer=1`."""
+    return jnp.stack([jnp.full_like(pool, jnp.nan), pool])
+
+
+@pytest.mark.parametrize("lengths,group,d,k_splits,stages,consumers,layers", [
+    ([1, 37, 130, 64], 4, 64, 2, 2, 2, False),
+    ([200, 16, 513], 8, 128, 1, 4, 2, True),
+    ([70, 300], 4, 128, 2, 3, 1, False),
+])
+def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, layers):
+    c = decode_case(21, lengths, group=group, d=d, dtype=jnp.bfloat16)
+    kb, vb = (layered(c.k_base), layered(c.v_base)) if layers else (c.k_base, c.v_base)
+    out = mgpu_unified_decode(c.q[:, 0], kb, vb, jnp.asarray(c.base_pages),
+                              jnp.asarray(c.prefix + 1), layer=1 if layers else None,
+                              k_splits=k_splits, stages=stages, consumers=consumers,
+                              interpret=INTERPRET)
+    err = rel_err(out[:, None], np_attention(c, residual=False), c.chunk)
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("lengths,group,d,r,k_splits,stages,consumers,layers", [
+    ([1, 37, 130, 64], 4, 64, 16, 2, 2, 2, False),
+    ([200, 16, 513], 8, 128, 16, 1, 4, 2, True),
+    ([700, 90], 1, 128, 32, 3, 2, 1, False),
+])
+def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers, layers):
+    """Mixed adapters (one v-only), NaN-poisoned unused slots and pages, bf16."""
+    c = decode_case(22, lengths, group=group, d=d, r=r, dtype=jnp.bfloat16)
+    pools = (c.k_base, c.v_base, c.k_res, c.v_res)
+    if layers:
+        pools = tuple(layered(x) for x in pools)
+    out = mgpu_residual_decode(
+        c.q[:, 0], *pools, jnp.asarray(c.base_pages), jnp.asarray(c.res_pages),
+        jnp.asarray(c.prefix + 1), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
+        jnp.asarray(c.inv_freq), layer=1 if layers else None, k_splits=k_splits, stages=stages,
+        consumers=consumers, interpret=INTERPRET)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < 2e-2, err
+
+
+def test_mgpu_rejects_unsupported_shapes():
+    c = decode_case(23, [20], group=4, d=64, r=8, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="no kernel"):
+        mgpu_residual_decode(
+            c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
+            jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
+            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), interpret=INTERPRET)
