@@ -215,8 +215,8 @@ def decode_fns(cfg_res, cfg_uni):
     def mgpu_unified(d):
         from forkjax.pallas_kernels.mgpu_decode import mgpu_unified_decode
 
-        return [mgpu_unified_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"], **cfg_uni)
-                for i in range(d["bpt"].shape[0])]
+        return [mgpu_unified_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
+                                    **cfg_uni) for i in range(d["bpt"].shape[0])]
 
     return {"residual": residual, "unified": unified, "jax_paged": jax_paged, "naive": naive,
             "mgpu_residual": mgpu_residual, "mgpu_unified": mgpu_unified}
@@ -426,7 +426,7 @@ def run_split_sweep(base, bw, results):
 
 
 def run_mgpu_sweep(base, bw, results):
-    """The Mosaic GPU decode kernels over (stages, k_splits) beside the Triton defaults."""
+    """Mosaic GPU decode kernels over (stages, consumers, k_splits), Triton defaults beside."""
     points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
     grid = [dict(base, stages=st, consumers=c, k_splits=ks)
             for st, c in ((2, 1), (3, 1), (2, 2), (4, 2)) for ks in (1, 2)]
