@@ -35,6 +35,7 @@ from forkjax.pallas_kernels import (
     unified_attention_decode,
     unified_attention_extend,
 )
+from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode, mgpu_unified_decode
 from forkjax.pallas_kernels.rope import rope_tables_full
 
 HQ, HKV, D, S, R = 32, 8, 128, 16, 16
@@ -163,16 +164,15 @@ def n_sets_for(B, L):
 
 
 def decode_fns(cfg_res, cfg_uni):
-    def residual(d):
-        return [residual_attention_decode(
+    def residual_with(kernel):  # ResidualAttention decode over each page-table set
+        return lambda d: [kernel(
             d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"][i], d["rpt"][i], d["lengths"],
             d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res)
             for i in range(d["bpt"].shape[0])]
 
-    def unified(d):
-        return [unified_attention_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
-                                         **cfg_uni)
-                for i in range(d["bpt"].shape[0])]
+    def unified_with(kernel):  # unified decode over each page-table set
+        return lambda d: [kernel(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"], **cfg_uni)
+                          for i in range(d["bpt"].shape[0])]
 
     def jax_paged(d):
         import warnings
@@ -204,22 +204,10 @@ def decode_fns(cfg_res, cfg_uni):
             outs.append(unified_attention_decode(d["q"], k, v, pt, d["lengths"], **cfg_uni))
         return outs
 
-    def mgpu_residual(d):  # the Mosaic GPU warp-specialised kernel (mgpu_decode.py)
-        from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode
-
-        return [mgpu_residual_decode(
-            d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"][i], d["rpt"][i], d["lengths"],
-            d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res)
-            for i in range(d["bpt"].shape[0])]
-
-    def mgpu_unified(d):
-        from forkjax.pallas_kernels.mgpu_decode import mgpu_unified_decode
-
-        return [mgpu_unified_decode(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
-                                    **cfg_uni) for i in range(d["bpt"].shape[0])]
-
-    return {"residual": residual, "unified": unified, "jax_paged": jax_paged, "naive": naive,
-            "mgpu_residual": mgpu_residual, "mgpu_unified": mgpu_unified}
+    return {"residual": residual_with(residual_attention_decode),
+            "unified": unified_with(unified_attention_decode), "jax_paged": jax_paged,
+            "naive": naive, "mgpu_residual": residual_with(mgpu_residual_decode),
+            "mgpu_unified": unified_with(mgpu_unified_decode)}
 
 
 def decode_bytes(B, L, residual):

@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forkjax.pallas_kernels.residual_attention import combine_splits
 from forkjax.pallas_kernels.rope import rope_cos_sin
 
 ROWS = 64  # wgmma M: the query rows of one KV head, padded
@@ -321,16 +322,11 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         grid_names=("b", "h", "ks"), num_threads=consumers + 1 + residual, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     outs = kernel(*args)
-    o, ml = outs[:2]
-    m, l = ml[:, :, :, 0], ml[:, :, :, 1]
-    w = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))  # [B, KS*C, Hkv, ROWS]
-    o = jnp.sum(w[..., None] * o, axis=1)
-    if residual:  # acc + acc_r @ B_v, once, on the combined accumulator
-        o_r = jnp.sum(w[..., None] * outs[2], axis=1)
-        bv = b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]
-        o = o + jnp.einsum("bhnr,bhrd->bhnd", o_r, bv, precision=lax.Precision.HIGHEST)
-    l_sum = jnp.sum(w * l, axis=1)
-    o = o / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    ml = outs[1]
+    bv = (b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B, Hkv, R, D]
+          if residual else None)
+    o = combine_splits(outs[0], ml[:, :, :, 0], ml[:, :, :, 1],
+                       outs[2] if residual else None, bv)
     return o[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
 
 

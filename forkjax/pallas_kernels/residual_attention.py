@@ -466,21 +466,31 @@ def _paged_attention(
 
     if not normalize:
         o, m, l = out[:3]
-        m_max = lax.optimization_barrier(jnp.max(m, axis=1, keepdims=True))
-        w = jnp.exp2(m - m_max)  # [B, KS, Hkv, rows']
-        l_sum = jnp.sum(w * l, axis=1)
-        o_sum = jnp.sum(w[..., None] * o, axis=1)[..., :D]  # [B, Hkv, rows', D]
-        if residual:  # acc + acc_r @ B_v: once, on the combined accumulator
-            or_sum = jnp.sum(w[..., None] * out[3], axis=1)[..., :R]
-            o_sum = o_sum + jnp.einsum("bhnr,bhrd->bhnd", or_sum, bv_sel,
-                                       precision=lax.Precision.HIGHEST)
-        out = (o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(q.dtype)
+        out = combine_splits(o[..., :D], m, l, out[3][..., :R] if residual else None,
+                             bv_sel if residual else None).astype(q.dtype)
     out = out.reshape(B, Hkv, t_pad, gp, -1)[:, :, :T, :G, :D]
     out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     if T > 1:
         live = jnp.arange(T)[None, :] < chunk_lengths[:, None]
         out = jnp.where(live[:, :, None, None], out, jnp.zeros_like(out))
     return out
+
+
+def combine_splits(o, m, l, o_r=None, b_v=None):
+    """Flash-decoding combine of split-K partials -> normalised float32 [B, Hkv, rows, D].
+
+    o [B, KS, Hkv, rows, D], m / l [B, KS, Hkv, rows] (running max in base 2, unnormalised sum);
+    for ResidualAttention also o_r [B, KS, Hkv, rows, R] and each request's B_v [B, Hkv, R, D],
+    applied once, to the combined accumulator. Rows no split saw (l = 0) come out as 0.
+    """
+    m_max = lax.optimization_barrier(jnp.max(m, axis=1, keepdims=True))
+    w = jnp.exp2(m - m_max)  # [B, KS, Hkv, rows]
+    l_sum = jnp.sum(w * l, axis=1)
+    o_sum = jnp.sum(w[..., None] * o, axis=1)
+    if o_r is not None:  # acc + acc_r @ B_v
+        o_sum = o_sum + jnp.einsum("bhnr,bhrd->bhnd", jnp.sum(w[..., None] * o_r, axis=1),
+                                   b_v, precision=lax.Precision.HIGHEST)
+    return o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
 
 
 _STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
