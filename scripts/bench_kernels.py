@@ -416,12 +416,16 @@ def run_split_sweep(base, bw, results):
 def run_mgpu_sweep(base, bw, results):
     """Mosaic GPU decode kernels over (stages, consumers, k_splits), Triton defaults beside."""
     points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
-    grid = [dict(base, stages=st, consumers=c, k_splits=ks)
-            for st, c in ((2, 1), (3, 1), (2, 2), (4, 2)) for ks in (1, 2)]
+    grids = {"mgpu_unified": [dict(base, stages=st, consumers=c, k_splits=1)
+                              for st, c in ((3, 1), (4, 2))],
+             # the residual kernel's shared memory allows 3 stages with one attention
+             # warpgroup, 2 with two (Llama-3-8B shape)
+             "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
+                               for st, c in ((2, 1), (3, 1), (2, 2)) for ks in (1, 2)]}
     results["sweep_mgpu"] = {}
     for B, L in points:
         for method in ("unified", "mgpu_unified", "residual", "mgpu_residual"):
-            cfgs = grid if method.startswith("mgpu") else [dict(base)]
+            cfgs = grids.get(method, [dict(base)])
             results["sweep_mgpu"][f"{method} B={B} L={L}"] = sweep_decode(B, L, cfgs, method, bw)
 
 

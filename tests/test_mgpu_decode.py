@@ -34,8 +34,8 @@ def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, lay
 
 @pytest.mark.parametrize("lengths,group,d,r,k_splits,stages,consumers,layers", [
     ([1, 37, 130, 64], 4, 64, 16, 2, 2, 2, False),
-    ([200, 16, 513], 8, 128, 16, 1, 4, 2, True),
-    ([700, 90], 1, 128, 32, 3, 2, 1, False),
+    ([200, 16, 513], 8, 128, 16, 1, 2, 1, True),
+    ([700, 90], 1, 128, 32, 3, 3, 1, False),
 ])
 def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers, layers):
     """Mixed adapters (one v-only), NaN-poisoned unused slots and pages, bf16."""

@@ -52,6 +52,7 @@ from forkjax.pallas_kernels.rope import rope_cos_sin
 ROWS = 64  # wgmma M: the query rows of one KV head, padded
 BLOCK_K = 64  # keys per step: 4 pages of 16
 PAGE = 16
+SMEM_BYTES = 232448  # dynamic shared memory of an H100 / H200 CTA
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 WGMMA = plgpu.Layout.WGMMA
 
@@ -97,19 +98,22 @@ def _register_split(consumers: int, residual: bool) -> tuple[int, int]:
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: int, stages: int,
-            consumers: int, scale: float, residual: bool):
+            consumers: int, scale: float, residual: bool, skip: tuple):
     if residual:
-        (kr_ref, vr_ref, rpt_ref, bk_ref, blk_ref, off_ref, o_ref, ml_ref, or_ref,
+        (kr_ref, vr_ref, rpt_ref, w_ref, e_ref, tab_ref, o_ref, ml_ref, or_ref,
          q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free, v_free,
-         kr_smem, vr_smem, pr_smem, off_smem, bk_smem, const_bar, r_ready, km_ready) = rest
+         kr_smem, vr_smem, pr_smem, tab_smem, w_smem, e_smem, u_smem, const_bar, r_ready,
+         u_ready, u_free) = rest
     else:
         (o_ref, ml_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free,
          v_free) = rest
     b, h, ks = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("ks")
     wg = lax.axis_index("wg")
     ppb = BLOCK_K // PAGE
-    nh, _, dh = q_smem.shape
-    d = nh * dh
+    n_blocks = pt_ref.shape[1] // ppb
+    d = q_smem.shape[-1]
+    if residual:
+        G = e_smem.shape[1] // kr_smem.shape[-1]
     length = len_ref[b]
     layer = layer_ref[0]
     steps = pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
@@ -123,10 +127,16 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     def _producer():
         _set_registers(40, n_wg)
 
-        @pl.loop(0, steps)
-        def _(i):
+        def page_ids(i):  # the base (and residual) page ids of step i's block
+            kb = jnp.minimum(block_of(i), n_blocks - 1)  # (a prefetch past the end: clamped)
+            tables = (pt_ref, rpt_ref) if residual else (pt_ref,)
+            return tuple(t[b, kb * ppb + p] for t in tables for p in range(ppb))
+
+        def step(i, ids):
+            # Next step's page ids first: GMEM loads issued here complete behind this step's
+            # waits and copies (loaded in front of each copy, every page paid a load latency).
+            nxt = page_ids(i + 1)
             slot = lax.rem(i, stages)
-            kb = block_of(i)
 
             @pl.when(i >= stages)  # the slot's previous tiles are consumed
             def _():
@@ -134,19 +144,23 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 plgpu.barrier_wait(v_free.at[slot])
 
             for p in range(ppb):
-                page = pt_ref[b, kb * ppb + p]
                 rows = pl.ds(p * PAGE, PAGE)
-                for x in range(nh):
-                    plgpu.copy_gmem_to_smem(k_ref.at[layer, h, page, :, pl.ds(x * dh, dh)],
-                                            k_smem.at[slot, x, rows], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[layer, h, page], v_smem.at[slot, rows],
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, h, ids[p]], k_smem.at[slot, rows],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, h, ids[p]], v_smem.at[slot, rows],
                                         v_ready.at[slot])
                 if residual:
-                    rpage = rpt_ref[b, kb * ppb + p]
+                    rpage = ids[ppb + p]
                     plgpu.copy_gmem_to_smem(kr_ref.at[layer, rpage], kr_smem.at[slot, rows],
                                             r_ready.at[slot])
                     plgpu.copy_gmem_to_smem(vr_ref.at[layer, rpage], vr_smem.at[slot, rows],
                                             v_ready.at[slot])
+            if residual and "tab" not in skip:  # cos | sin of the block's positions (L2)
+                plgpu.copy_gmem_to_smem(tab_ref.at[block_of(i)], tab_smem.at[slot],
+                                        r_ready.at[slot])
+            return nxt
+
+        lax.fori_loop(0, steps, step, page_ids(0))
 
         @pl.loop(jnp.maximum(steps - stages, 0), steps)  # observe the last releases
         def _(i):
@@ -155,46 +169,48 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
     if residual:
         @pl.when(wg == consumers)
-        def _k_lora():  # K_t += RoPE_t(rK_t B_k), by column halves [x1, x2] of rotate-half
+        def _k_lora():  # U = (tab @ W) * [rK, .., rK]: the K-LoRA scores, not yet summed over r
             _set_registers(k_regs, n_wg)
-            for j in range(2):  # (a TMA copy may stride over 5 dimensions, tiles included)
-                plgpu.copy_gmem_to_smem(bk_ref.at[b, h, j], bk_smem.at[j], const_bar)
-            plgpu.copy_gmem_to_smem(off_ref, off_smem, const_bar)
+            plgpu.copy_gmem_to_smem(w_ref.at[b, h], w_smem, const_bar)
             plgpu.barrier_wait(const_bar)
 
             @pl.loop(0, steps)
             def _(i):
-                slot = lax.rem(i, stages)
-                # cos | sin of the block start, straight from GMEM (L2): loaded before the
-                # waits to hide their latency; as vectors along the columns of a wgmma tile
-                cb, sb = (plgpu.load(blk_ref.at[block_of(i), j], layout=WGMMA.reduce(0),
-                                     optimized=False) for j in range(2))
+                slot, c = lax.rem(i, stages), lax.rem(i, consumers)
                 plgpu.barrier_wait(r_ready.at[slot])
-                y1, y2 = _mma([[(kr_smem.at[slot], bk_smem.at[0])],
-                               [(kr_smem.at[slot], bk_smem.at[1])]], [(BLOCK_K, dh)] * 2)
-                # angle addition: (block start) then (offset in the block)
-                cb = lax.broadcast_in_dim(cb, y1.shape, [1])
-                sb = lax.broadcast_in_dim(sb, y1.shape, [1])
-                co = off_smem[0].astype(jnp.float32)
-                so = off_smem[1].astype(jnp.float32)
-                c = co * cb - so * sb
-                s = so * cb + co * sb
-                plgpu.barrier_wait(k_ready.at[slot])
-                k1 = k_smem[slot, 0].astype(jnp.float32) + (y1 * c - y2 * s)
-                k2 = k_smem[slot, 1].astype(jnp.float32) + (y2 * c + y1 * s)
-                k_smem[slot, 0] = k1.astype(k_smem.dtype)
-                k_smem[slot, 1] = k2.astype(k_smem.dtype)
+                if "k_lora" in skip:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return
+                if "mma" in skip:
+                    (t,) = [plgpu.layout_cast(jnp.zeros(u_smem.shape[1:], jnp.float32), WGMMA)]
+                else:
+                    (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
+                rk = kr_smem[slot].astype(jnp.float32)
+                plgpu.barrier_arrive(k_free.at[slot])  # tab and rK of the slot are read
+
+                @pl.when(i >= consumers)  # consumer c is done with its previous U
+                def _():
+                    plgpu.barrier_wait(u_free.at[c])
+
+                if "u_store" not in skip:  # column g * R + r of U is query head g, rank r
+                    u_smem[c] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
                 plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
-                plgpu.barrier_arrive(km_ready.at[slot])
+                plgpu.barrier_arrive(u_ready.at[c])
+
+            @pl.loop(jnp.maximum(steps - consumers, 0), steps)  # observe the last releases
+            def _(i):
+                if "k_lora" not in skip:
+                    plgpu.barrier_wait(u_free.at[lax.rem(i, consumers)])
 
     @pl.when(wg < consumers)
     def _attention():
         _set_registers(c_regs, n_wg)
         c = wg
-        for x in range(nh):  # each consumer loads (the same) q and tracks its own copy
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, x], q_smem.at[x], q_bar.at[c])
+        # each consumer loads (the same) q and E and tracks its own copy
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[c])
+        if residual:
+            plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[c])
         plgpu.barrier_wait(q_bar.at[c])
-        ready = km_ready if residual else k_ready
         m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), WGMMA.reduce(1))
         o = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), WGMMA)
@@ -206,10 +222,17 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             i = c + t * consumers
             slot = lax.rem(i, stages)
             kb = block_of(i)
-            plgpu.barrier_wait(ready.at[slot])
-            (s,) = _mma([[(q_smem.at[x], k_smem.at[slot, x].transpose((1, 0)))
-                          for x in range(nh)]], [(ROWS, BLOCK_K)])
+            plgpu.barrier_wait(k_ready.at[slot])
+            terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
+            use_u = residual and "k_lora" not in skip
+            if use_u:  # + sum_r U[key, g * R + r] into row g: E is ones at (g, g * R + r)
+                plgpu.barrier_wait(u_ready.at[c])
+                if "eu" not in skip:
+                    terms.append((e_smem, u_smem.at[c].transpose((1, 0))))
+            (s,) = _mma([terms], [(ROWS, BLOCK_K)])
             plgpu.barrier_arrive(k_free.at[slot])
+            if use_u:
+                plgpu.barrier_arrive(u_free.at[c])
             key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1,
                                                         layout=WGMMA)
             s = jnp.where(key < length, s * scale, MASK_VALUE)  # NaN keys past the end too
@@ -218,7 +241,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p_.sum(axis=1)
             p_smem[c] = p_.astype(p_smem.dtype)
-            if residual:
+            use_rv = residual and "rv" not in skip
+            if use_rv:
                 pr_smem[c] = p_.astype(p_smem.dtype)
             plgpu.barrier_wait(v_ready.at[slot])
             vs = (v_smem, vr_smem) if residual else (v_smem,)
@@ -233,11 +257,11 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
             plgpu.commit_smem()
             pv = _mma([[(p_smem.at[c], v_smem.at[slot])]]
-                      + ([[(pr_smem.at[c], vr_smem.at[slot])]] if residual else []),
-                      [(ROWS, ref.shape[-1]) for ref in vs])
+                      + ([[(pr_smem.at[c], vr_smem.at[slot])]] if use_rv else []),
+                      [(ROWS, ref.shape[-1]) for ref in vs[:1 + use_rv]])
             plgpu.barrier_arrive(v_free.at[slot])
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0]) + pv[0]
-            if residual:  # acc_r: the same rescale; B_v waits for the combine
+            if use_rv:  # acc_r: the same rescale; B_v waits for the combine
                 o_r = o_r * lax.broadcast_in_dim(alpha, o_r.shape, [0]) + pv[1]
             return o, o_r, m_new, l
 
@@ -251,8 +275,24 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             or_ref[b, split, h] = o_r
 
 
+def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, dt):
+    """W [B, Hkv, D, G*R], E [ROWS, G*R], tab [n_blocks, BLOCK_K, D] (see the docstring)."""
+    B, Hq, D = q.shape
+    G, R, h = Hq // Hkv, b_k.shape[1], D // 2
+    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    bk = b_k.astype(jnp.float32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]
+    q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv, G|R, D/2]
+    prod = functools.partial(jnp.einsum, "bhgj,bhrj->bhjgr")
+    w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
+    w = w.reshape(B, Hkv, D, G * R)
+    e = jnp.arange(ROWS)[:, None] == jnp.arange(G * R)[None, :] // R
+    cos, sin = rope_cos_sin(jnp.arange(n_blocks * BLOCK_K), inv_freq)
+    tab = jnp.concatenate([cos, sin], -1).reshape(n_blocks, BLOCK_K, D)
+    return w.astype(dt), e.astype(dt), tab.astype(dt)
+
+
 def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits,
-            stages, consumers, interpret):
+            stages, consumers, interpret, skip=()):
     B, Hq, D = q.shape
     Hkv, _, S, _ = k_pages.shape[-4:]
     if layer is None:  # one layer: a leading axis of 1 (a free reshape), layer 0
@@ -262,8 +302,6 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
             res = (res[0][None], res[1][None]) + tuple(res[2:])
     G = Hq // Hkv
     R = 0 if res is None else res[0].shape[-1]
-    nh = 1 if res is None else 2
-    dh = D // nh
     if not supports(Hq, Hkv, D, S, R, k_pages.dtype):
         raise ValueError(f"mgpu decode: no kernel for Hq={Hq} Hkv={Hkv} D={D} page={S} R={R} "
                          f"{k_pages.dtype}")
@@ -274,50 +312,54 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
-    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, nh, dh).transpose(0, 1, 3, 2, 4),
-                 ((0, 0), (0, 0), (0, 0), (0, ROWS - G), (0, 0)))
+    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, ROWS - G), (0, 0)))
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * math.log2(math.e)
     n_out = k_splits * consumers
     out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, D), f32),
                 jax.ShapeDtypeStruct((B, n_out, Hkv, 2, ROWS), f32)]
     scratch = [
-        plgpu.SMEM((nh, ROWS, dh), dt, transforms=_tiles(dh, dt)),  # q
-        plgpu.SMEM((stages, nh, BLOCK_K, dh), dt, transforms=_tiles(dh, dt)),  # K (halves)
+        plgpu.SMEM((ROWS, D), dt, transforms=_tiles(D, dt)),  # q
+        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # K
         plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # V
         plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(BLOCK_K, dt)),  # P
-        plgpu.Barrier(num_arrivals=nh, num_barriers=consumers),  # q, one per consumer
-        plgpu.Barrier(num_arrivals=ppb * nh, num_barriers=stages),  # K pages landed
+        plgpu.Barrier(num_arrivals=1 + (R > 0), num_barriers=consumers),  # q (and E)
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # K pages landed
         plgpu.Barrier(num_arrivals=ppb * (2 if R else 1), num_barriers=stages),  # V (and rV)
-        plgpu.Barrier(num_barriers=stages),  # K slot free
+        plgpu.Barrier(num_arrivals=1 + (R > 0), num_barriers=stages),  # K (tab, rK) slot free
         plgpu.Barrier(num_barriers=stages),  # V slot free
     ]
     args = [qx, k_pages, v_pages, pad_pages(page_table), lengths.astype(jnp.int32),
             jnp.asarray(layer, jnp.int32).reshape(1)]
     if res is not None:
         k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
-        bk = b_k.transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B, Hkv, R, D]
-        bk = jnp.stack([bk[..., :dh], bk[..., dh:]], 2).astype(dt)  # [B, Hkv, 2, R, D/2]
-        blk = jnp.stack(rope_cos_sin(jnp.arange(mp // ppb) * BLOCK_K, inv_freq), 1)
-        off = jnp.stack(rope_cos_sin(jnp.arange(BLOCK_K), inv_freq)).astype(dt)
-        args += [k_res, v_res, pad_pages(res_pages), bk, blk, off]  # blk [n_blocks, 2, D/2]
+        args += [k_res, v_res, pad_pages(res_pages), *_k_lora_operands(
+            q, b_k, adapter_ids, inv_freq, Hkv, mp // ppb, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, R), f32))
         scratch += [
             plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rK
             plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rV
             # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: P rV takes
-            # a copy of P in rV's narrow tiling (in V's, the copy of V has too many TMA dims),
-            # and B_k takes rK's (rK B_k).
+            # a copy of P in rV's narrow tiling (in V's, the copy of V has too many TMA dims);
+            # tab @ W and E @ U^T are tiled like their G*R-wide operand.
             plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(R, dt)),  # P again
-            plgpu.SMEM((2, BLOCK_K, dh), dt, transforms=_tiles(dh, dt)),  # cos | sin of offsets
-            plgpu.SMEM((2, R, dh), dt, transforms=_tiles(R, dt)),  # B_k halves
-            plgpu.Barrier(num_arrivals=3),  # B_k halves, offsets
-            plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # rK pages
-            plgpu.Barrier(num_barriers=stages),  # K rebuilt
+            plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(G * R, dt)),  # tab
+            plgpu.SMEM((D, G * R), dt, transforms=_tiles(G * R, dt)),  # W
+            plgpu.SMEM((ROWS, G * R), dt, transforms=_tiles(G * R, dt)),  # E
+            plgpu.SMEM((consumers, BLOCK_K, G * R), dt, transforms=_tiles(G * R, dt)),  # U
+            plgpu.Barrier(),  # W
+            plgpu.Barrier(num_arrivals=ppb + ("tab" not in skip), num_barriers=stages),  # rK, tab
+            plgpu.Barrier(num_barriers=consumers),  # U ready
+            plgpu.Barrier(num_barriers=consumers),  # U free
         ]
+    smem = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in scratch
+               if hasattr(x, "shape"))
+    if smem > SMEM_BYTES:
+        raise ValueError(f"mgpu decode: {smem} B of shared memory for stages={stages} "
+                         f"consumers={consumers} G={G} R={R} D={D} (at most {SMEM_BYTES})")
     residual = res is not None
     kernel = plgpu.kernel(
         functools.partial(_kernel, k_splits=k_splits, stages=stages, consumers=consumers,
-                          scale=scale, residual=residual),
+                          scale=scale, residual=residual, skip=skip),
         out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hkv, k_splits),
         grid_names=("b", "h", "ks"), num_threads=consumers + 1 + residual, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None)
@@ -339,17 +381,17 @@ def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
 _STATIC = ("sm_scale", "k_splits", "stages", "consumers", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("skip",))
 def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
                          b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
-                         k_splits: int = 1, stages: int = 4, consumers: int = 2,
-                         interpret: bool = False):
+                         k_splits: int = 1, stages: int = 3, consumers: int = 1,
+                         interpret: bool = False, skip: tuple = ()):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R a
     16 or 32, D 64 or 128, bf16/f16) -> [B, Hq, D]."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
                    sm_scale=sm_scale, k_splits=k_splits, stages=stages, consumers=consumers,
-                   interpret=interpret)
+                   interpret=interpret, skip=skip)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
