@@ -418,10 +418,12 @@ def run_mgpu_sweep(base, bw, results):
     points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
     grids = {"mgpu_unified": [dict(base, stages=st, consumers=c, k_splits=1)
                               for st, c in ((3, 1), (4, 2))],
-             # the residual kernel's shared memory allows 3 stages with one attention
-             # warpgroup, 2 with two (Llama-3-8B shape)
+             # shared memory allows 3 stages with one attention warpgroup, 2 with two (Llama-3-8B
+             # shape); then leave-one-out (outputs wrong on purpose): what each part costs
              "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
-                               for st, c in ((2, 1), (3, 1), (2, 2)) for ks in (1, 2)]}
+                               for st, c, ks in ((3, 1, 1), (3, 1, 2), (2, 1, 1), (2, 2, 1))]
+             + [dict(base, stages=3, consumers=1, k_splits=1, skip=s)
+                for s in (("k_lora",), ("rv",), ("k_lora", "rv"))]}
     results["sweep_mgpu"] = {}
     for B, L in points:
         for method in ("unified", "mgpu_unified", "residual", "mgpu_residual"):

@@ -52,10 +52,15 @@ def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers,
     assert err < 2e-2, err
 
 
-def test_mgpu_rejects_unsupported_shapes():
-    c = decode_case(23, [20], group=4, d=64, r=8, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="no kernel"):
+@pytest.mark.parametrize("r,stages,consumers,match", [
+    (8, 3, 1, "no kernel"),  # rank 8: no wgmma tiling for it
+    (16, 4, 2, "shared memory"),  # 4 stages and two attention warpgroups exceed 227 KB
+])
+def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
+    c = decode_case(23, [20], group=4, d=128, r=r, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
         mgpu_residual_decode(
             c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
             jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
-            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), interpret=INTERPRET)
+            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), stages=stages,
+            consumers=consumers, interpret=INTERPRET)

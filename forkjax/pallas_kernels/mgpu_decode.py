@@ -3,28 +3,34 @@
 Why a second decode kernel: in the Triton kernel every key block runs one serial chain
 QK^T -> y = rK B_k -> rotation -> softmax -> PV in one warpgroup, with two programs per SM, so
 the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgroups:
-  producer    streams K pages (as two column halves), V pages and rK/rV pages by TMA into a
-              ring of `stages` slots;
-  K-LoRA      (residual only) rebuilds K = bK + RoPE(rK B_k) of each block in place in the ring,
-              RoPE by angle addition: (block start) x (offset 0..63 in the block);
-  consumers   `consumers` attention warpgroups take alternate blocks: S = Q K^T, online softmax,
-              O += P V and O_r += P rV; each writes its own split-K partial, B_v is applied
-              once after the combine (as in the Triton kernel).
-So the K-LoRA work and the two consumers' chains overlap instead of adding up.
+  producer    streams K, V, rK, rV pages and the block's cos | sin table by TMA into a ring of
+              `stages` slots (page ids read one step ahead);
+  K-LoRA      (residual only) computes U = (tab @ W) * [rK, .., rK] for each block (below);
+  consumers   `consumers` attention warpgroups take alternate blocks: S = Q K^T + E U^T,
+              online softmax, O += P V and O_r += P rV; each writes its own split-K partial,
+              B_v is applied once after the combine (as in the Triton kernel).
 
-Status (H200, BENCHMARKS.md "Mosaic GPU decode kernels"): not used by the engine. The unified
-kernel matches the Triton one (B=32, L=8k: 264.7 vs 260.8 us); the residual one is slower than
-the Triton kernel (443.5 vs ~420 us; 262 vs 236 us at B=64, L=2k). Our reading, not measured
-per stage: the single K-LoRA warpgroup is now the serial chain (every block of a CTA passes
-through it: a GMEM load of the block's cos|sin, two wgmmas, ~10 element-wise ops per K element
-and a read-modify-write of the K tile), so the next steps are prefetching the block rotation
-one step ahead, one K-LoRA warpgroup per consumer, and a per-stage timing like diag_decode's.
+K-LoRA scores without rebuilding K. For query head g and a key t at position p, with rotate-half
+halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
+    q_g . RoPE_p(rK_t B_k) = sum_r rK_t[r] T[t, g*R + r],   T = tab @ W,
+    tab[t] = [cos(p theta) | sin(p theta)]                   [D], the same for every request
+    W[j, g*R + r] = q1_j b1_j + q2_j b2_j, W[D/2 + j, .] = q2_j b1_j - q1_j b2_j   [D, G*R]
+so a 64-key block costs the K-LoRA warpgroup one [64, D] @ [D, G*R] wgmma and one element-wise
+product with rK repeated G times along columns (U), and the consumer sums over r inside its
+score wgmma: S += E @ U^T with E[g, g*R + r] = 1. No element of K is rotated; tab (2 MB for 8k
+positions) stays in L2 and W is computed per call by XLA.
+
+Status (H200, BENCHMARKS.md "Mosaic GPU decode kernels"): not used by the engine. B=32, L=8k:
+residual 391.7 us (65% of copy) against the Triton residual kernel's 420.1 us; unified 260.9
+us against Triton's 255.8 us. What bounds it (leave-one-out with `skip`): the one attention
+warpgroup, whose every wgmma and softmax runs on 64 query rows of which G (4) are real; without
+the K-LoRA scores the loop still takes 346 us, without them and P rV 318 us.
 
 Layout (the Triton split-K partials, so the combine is the same):
-  q      [B, Hkv, nh, 64, D/nh]  the G query heads of KV head h in rows 0..G-1, zero rows after
-                                 (wgmma's M is 64); nh = 2 halves for the rotate-half RoPE
-  pools  [L, Hkv, P, 16, D]      a block of 64 keys is 4 pages, one TMA copy each (per half);
-                                 L = 1 (added) when the caller passes one layer
+  q      [B, Hkv, 64, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
+                                 (wgmma's M is 64)
+  pools  [L, Hkv, P, 16, D]      a block of 64 keys is 4 pages, one TMA copy each; L = 1
+                                 (added) when the caller passes one layer
   pages  [B, Mp] int32           Mp a multiple of 4; entries past a sequence are valid page ids
   out    o [B, KS*C, Hkv, 64, D], ml [B, KS*C, Hkv, 2, 64], o_r [.., 64, R], float32
 Split ks takes key blocks ks, ks + KS, ...; consumer c of a split every C-th of those.
@@ -155,7 +161,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                                             r_ready.at[slot])
                     plgpu.copy_gmem_to_smem(vr_ref.at[layer, rpage], vr_smem.at[slot, rows],
                                             v_ready.at[slot])
-            if residual and "tab" not in skip:  # cos | sin of the block's positions (L2)
+            if residual:  # cos | sin of the block's positions (the same for every CTA: L2)
                 plgpu.copy_gmem_to_smem(tab_ref.at[block_of(i)], tab_smem.at[slot],
                                         r_ready.at[slot])
             return nxt
@@ -181,10 +187,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 if "k_lora" in skip:
                     plgpu.barrier_arrive(k_free.at[slot])
                     return
-                if "mma" in skip:
-                    (t,) = [plgpu.layout_cast(jnp.zeros(u_smem.shape[1:], jnp.float32), WGMMA)]
-                else:
-                    (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
+                (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
                 rk = kr_smem[slot].astype(jnp.float32)
                 plgpu.barrier_arrive(k_free.at[slot])  # tab and rK of the slot are read
 
@@ -192,8 +195,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 def _():
                     plgpu.barrier_wait(u_free.at[c])
 
-                if "u_store" not in skip:  # column g * R + r of U is query head g, rank r
-                    u_smem[c] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
+                # column g * R + r of U: query head g, rank r
+                u_smem[c] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
                 plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
                 plgpu.barrier_arrive(u_ready.at[c])
 
@@ -227,8 +230,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             use_u = residual and "k_lora" not in skip
             if use_u:  # + sum_r U[key, g * R + r] into row g: E is ones at (g, g * R + r)
                 plgpu.barrier_wait(u_ready.at[c])
-                if "eu" not in skip:
-                    terms.append((e_smem, u_smem.at[c].transpose((1, 0))))
+                terms.append((e_smem, u_smem.at[c].transpose((1, 0))))
             (s,) = _mma([terms], [(ROWS, BLOCK_K)])
             plgpu.barrier_arrive(k_free.at[slot])
             if use_u:
@@ -347,7 +349,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
             plgpu.SMEM((ROWS, G * R), dt, transforms=_tiles(G * R, dt)),  # E
             plgpu.SMEM((consumers, BLOCK_K, G * R), dt, transforms=_tiles(G * R, dt)),  # U
             plgpu.Barrier(),  # W
-            plgpu.Barrier(num_arrivals=ppb + ("tab" not in skip), num_barriers=stages),  # rK, tab
+            plgpu.Barrier(num_arrivals=ppb + 1, num_barriers=stages),  # rK pages, tab
             plgpu.Barrier(num_barriers=consumers),  # U ready
             plgpu.Barrier(num_barriers=consumers),  # U free
         ]
@@ -375,6 +377,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
 def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
     """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified)."""
     return (page_size == PAGE and D in (64, 128) and Hq // Hkv <= ROWS and R in (0, 16, 32)
+            and Hq // Hkv * R <= 256  # U's width: a wgmma N
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
@@ -387,7 +390,11 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
                          k_splits: int = 1, stages: int = 3, consumers: int = 1,
                          interpret: bool = False, skip: tuple = ()):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R a
-    16 or 32, D 64 or 128, bf16/f16) -> [B, Hq, D]."""
+    16 or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D]. The default ring (3 stages,
+    one attention warpgroup) is the largest that fits shared memory at the Llama-3-8B shape.
+
+    skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv"
+    the P rV accumulator (the leave-one-out timings in BENCHMARKS.md)."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
                    sm_scale=sm_scale, k_splits=k_splits, stages=stages, consumers=consumers,
