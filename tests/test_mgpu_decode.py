@@ -1,5 +1,9 @@
 """Mosaic GPU decode kernels (mgpu_decode.py) against the float64 model: interpreted on the CPU
-(the interpreter also checks the barrier protocol), compiled on a GPU."""
+(the interpreter also checks the barrier protocol), compiled on a GPU. The interpreter ignores
+layouts, tilings and TMA limits; lowering for CUDA, which works on a CPU-only jaxlib, checks them
+(test_mgpu_lowers_for_cuda)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -64,3 +68,23 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
             jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
             jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), stages=stages,
             consumers=consumers, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("residual,stages,consumers", [
+    (False, 4, 2), (False, 3, 1), (True, 3, 1), (True, 2, 2),
+])
+def test_mgpu_lowers_for_cuda(residual, stages, consumers):
+    """Mosaic GPU lowering (layout inference, wgmma operand tilings, TMA shapes) runs on the CPU
+    when lowering for CUDA: the errors the interpreter cannot see, at the Llama-3-8B shape."""
+    c = decode_case(24, [300, 70], group=4, d=128, r=16, dtype=jnp.bfloat16)
+    pages = (jnp.asarray(c.base_pages),)
+    if residual:
+        fn = functools.partial(mgpu_residual_decode, stages=stages, consumers=consumers)
+        args = (c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages,
+                jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
+                jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))
+    else:
+        fn = functools.partial(mgpu_unified_decode, stages=stages, consumers=consumers)
+        args = (c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

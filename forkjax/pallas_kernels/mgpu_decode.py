@@ -22,9 +22,11 @@ positions) stays in L2 and W is computed per call by XLA.
 
 Status (H200, BENCHMARKS.md "Mosaic GPU decode kernels"): not used by the engine. B=32, L=8k:
 residual 391.7 us (65% of copy) against the Triton residual kernel's 420.1 us; unified 260.9
-us against Triton's 255.8 us. What bounds it (leave-one-out with `skip`): the one attention
-warpgroup, whose every wgmma and softmax runs on 64 query rows of which G (4) are real; without
-the K-LoRA scores the loop still takes 346 us, without them and P rV 318 us.
+us against Triton's 255.8 us. Leave-one-out with `skip`: without the K-LoRA scores 346 us,
+without them and P rV 318 us (unified, same ring: 272 us). Not the attention warpgroup's 64
+padded query rows: swapping its operands (16 query columns) left the unified kernel at 271.5 us.
+Our reading, not yet isolated: the producer, one thread issuing 17 TMA copies per 64-key block
+(4 pages each of K, V, rK, rV, and tab; the tab copy alone cost 16-22 us).
 
 Layout (the Triton split-K partials, so the combine is the same):
   q      [B, Hkv, 64, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
