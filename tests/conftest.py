@@ -14,8 +14,8 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA executions block
 # on each other's barriers. Dispatched asynchronously they queue on XLA's CPU pool (2 threads
-# here) behind blocked ones, and a kernel with 3-4 warpgroups can deadlock (seen twice at ~0 %
-# CPU); inline, each runs on its own thread.
+# here) behind blocked ones: our reading of two hangs at ~0 % CPU in test_mgpu_decode.py (not
+# reproducible at will). Inline, each execution runs on its own thread.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
