@@ -348,3 +348,36 @@ def test_references_match_float64_model():
                                                 jnp.asarray(d.base_pages),
                                                 jnp.asarray(d.prefix + 1))
     assert rel_err(out_du[:, None], np_attention(d, residual=False), d.chunk) < 1e-4
+
+
+# ------------------------------------------------------------------ lowering for the GPU
+
+
+@pytest.mark.parametrize("kernel", ["residual_decode", "unified_decode", "residual_extend",
+                                    "unified_extend"])
+def test_kernels_lower_for_cuda(kernel):
+    """The Pallas -> Triton lowering, which interpret mode skips, at the Llama-3-8B attention
+    shape for an (abstract) H200: runs on the CPU-only jaxlib."""
+    c = (decode_case(25, [300, 70], hkv=8, group=4, d=128, r=16, dtype=jnp.bfloat16)
+         if kernel.endswith("decode") else
+         make_case(25, prefix=np.array([40, 0]), chunk=np.array([30, 64]), hkv=8, group=4,
+                   d=128, r=16, dtype=jnp.bfloat16))
+    pages, res = (jnp.asarray(c.base_pages),), (jnp.asarray(c.res_pages),)
+    lora = (c.b_k, c.b_v, jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))
+    fn, args, kw = {
+        "residual_decode": (residual_attention_decode, (
+            c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages, *res,
+            jnp.asarray(c.prefix + 1), *lora), {}),
+        "unified_decode": (unified_attention_decode, (
+            c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1)), {}),
+        "residual_extend": (residual_attention_extend, (
+            c.q, c.k_base, c.v_base, c.k_res, c.v_res, *pages, *res, jnp.asarray(c.prefix),
+            jnp.asarray(c.chunk), *lora), {"materialize": False}),
+        "unified_extend": (unified_attention_extend, (
+            c.q, c.k_base, c.v_base, *pages, jnp.asarray(c.prefix), jnp.asarray(c.chunk)), {}),
+    }[kernel]
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+        lowered = fn.trace(*args, interpret=False, **kw).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
