@@ -76,7 +76,7 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
 def test_mgpu_lowers_for_cuda(residual, stages, consumers):
     """Mosaic GPU lowering (layout inference, wgmma operand tilings, TMA shapes) runs on the CPU
     when lowering for CUDA: the errors the interpreter cannot see, at the Llama-3-8B shape."""
-    c = decode_case(24, [300, 70], group=4, d=128, r=16, dtype=jnp.bfloat16)
+    c = decode_case(24, [300, 70], hkv=8, group=4, d=128, r=16, dtype=jnp.bfloat16)
     pages = (jnp.asarray(c.base_pages),)
     if residual:
         fn = functools.partial(mgpu_residual_decode, stages=stages, consumers=consumers)

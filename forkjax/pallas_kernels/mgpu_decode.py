@@ -202,9 +202,9 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
                 plgpu.barrier_arrive(u_ready.at[c])
 
-            @pl.loop(jnp.maximum(steps - consumers, 0), steps)  # observe the last releases
-            def _(i):
-                if "k_lora" not in skip:
+            if "k_lora" not in skip:
+                @pl.loop(jnp.maximum(steps - consumers, 0), steps)  # observe the last releases
+                def _(i):
                     plgpu.barrier_wait(u_free.at[lax.rem(i, consumers)])
 
     @pl.when(wg < consumers)
