@@ -3,12 +3,15 @@
 Why a second decode kernel: in the Triton kernel every key block runs one serial chain
 QK^T -> y = rK B_k -> rotation -> softmax -> PV in one warpgroup, with two programs per SM, so
 the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgroups:
-  producer    streams K, V, rK, rV pages and the block's cos | sin table by TMA into a ring of
-              `stages` slots (page ids read one step ahead);
-  K-LoRA      (residual only) computes U = (tab @ W) * [rK, .., rK] for each block (below);
-  consumers   `consumers` attention warpgroups take alternate blocks: S = Q K^T + E U^T,
-              online softmax, O += P V and O_r += P rV; each writes its own split-K partial,
-              B_v is applied once after the combine (as in the Triton kernel).
+  producer    streams rK, rV pages and the block's cos | sin table, then K, V pages, by TMA
+              into a ring of `stages` slots (page ids read one step ahead);
+  K-LoRA      (residual only) computes U = (tab @ W) * [rK, .., rK] for each block (below) and
+              copies rV into a 64-column slot (rV^T is a wgmma M operand);
+  consumers   `consumers` attention warpgroups take alternate blocks and run online softmax;
+              each writes its own split-K partial, B_v is applied once after the combine (as
+              in the Triton kernel). Unified: S = Q K^T, O += P V. Residual, transposed so the
+              G query heads (padded to 16) are wgmma's N instead of 64 padded M rows:
+              S^T = K Q^T + U E^T, O^T += V^T P^T, O_r^T += rV^T P^T.
 
 K-LoRA scores without rebuilding K. For query head g and a key t at position p, with rotate-half
 halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
@@ -17,24 +20,24 @@ halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
     W[j, g*R + r] = q1_j b1_j + q2_j b2_j, W[D/2 + j, .] = q2_j b1_j - q1_j b2_j   [D, G*R]
 so a 64-key block costs the K-LoRA warpgroup one [64, D] @ [D, G*R] wgmma and one element-wise
 product with rK repeated G times along columns (U), and the consumer sums over r inside its
-score wgmma: S += E @ U^T with E[g, g*R + r] = 1. No element of K is rotated; tab (2 MB for 8k
-positions) stays in L2 and W is computed per call by XLA.
+score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
+8k positions) stays in L2 and W is computed per call by XLA.
 
-Status (H200, BENCHMARKS.md "Mosaic GPU decode kernels"): not used by the engine. B=32, L=8k:
-residual 391.7 us (65% of copy) against the Triton residual kernel's 420.1 us; unified 260.9
-us against Triton's 255.8 us. Leave-one-out with `skip`: without the K-LoRA scores 346 us,
-without them and P rV 318 us (unified, same ring: 272 us). Not the attention warpgroup's 64
-padded query rows: swapping its operands (16 query columns) left the unified kernel at 271.5 us.
-Our reading, not yet isolated: the producer, one thread issuing 17 TMA copies per 64-key block
-(4 pages each of K, V, rK, rV, and tab; the tab copy alone cost 16-22 us).
+Status (H200, BENCHMARKS.md "Mosaic GPU residual decode, transposed consumer"): B=32, L=8k
+residual ~358-362 us (70-71% of copy) against the Triton residual kernel's ~420 us and Triton
+unified ~256-261 us; B=64, L=2k ~206-210 us against 237. The engine's residual decode uses it
+where `supports` says so. A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed
+what bound the untransposed version: the attention warpgroup never waited, the producer and the
+K-LoRA warpgroup waited for it.
 
-Layout (the Triton split-K partials, so the combine is the same):
-  q      [B, Hkv, 64, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
-                                 (wgmma's M is 64)
+Layout (the Triton split-K partials, so the combine is the same, transposed for residual):
+  q      [B, Hkv, NQ, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
+                                 (NQ = 64, wgmma's M; residual: G rounded up to 16, its N)
   pools  [L, Hkv, P, 16, D]      a block of 64 keys is 4 pages, one TMA copy each; L = 1
                                  (added) when the caller passes one layer
   pages  [B, Mp] int32           Mp a multiple of 4; entries past a sequence are valid page ids
-  out    o [B, KS*C, Hkv, 64, D], ml [B, KS*C, Hkv, 2, 64], o_r [.., 64, R], float32
+  out    o [B, KS*C, Hkv, 64, D], ml [B, KS*C, Hkv, 2, 64], float32; residual:
+         o^T [.., D, NQ], ml [.., 2, NQ], o_r^T [.., 64, NQ] (rows R.. unused)
 Split ks takes key blocks ks, ks + KS, ...; consumer c of a split every C-th of those.
 Ring slots are used round-robin, so with stages a multiple of C each consumer owns fixed slots
 and observes every phase of their barriers (Mosaic GPU tracks barrier phases per waiter).
@@ -61,8 +64,10 @@ ROWS = 64  # wgmma M: the query rows of one KV head, padded
 BLOCK_K = 64  # keys per step: 4 pages of 16
 PAGE = 16
 SMEM_BYTES = 232448  # dynamic shared memory of an H100 / H200 CTA
+SMS = 132  # streaming multiprocessors of an H200
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 WGMMA = plgpu.Layout.WGMMA
+PROFILE_RANGES = 96  # named-scope ranges a warpgroup records with `profile_dir` (then dropped)
 
 
 def _tiles(cols: int, dtype) -> tuple:
@@ -110,7 +115,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     if residual:
         (kr_ref, vr_ref, rpt_ref, w_ref, e_ref, tab_ref, o_ref, ml_ref, or_ref,
          q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free, v_free,
-         kr_smem, vr_smem, pr_smem, tab_smem, w_smem, e_smem, u_smem, const_bar, r_ready,
+         kr_smem, vr_smem, rvp_smem, tab_smem, w_smem, e_smem, const_bar, r_ready, u_smem,
          u_ready, u_free) = rest
     else:
         (o_ref, ml_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free,
@@ -120,8 +125,6 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     ppb = BLOCK_K // PAGE
     n_blocks = pt_ref.shape[1] // ppb
     d = q_smem.shape[-1]
-    if residual:
-        G = e_smem.shape[1] // kr_smem.shape[-1]
     length = len_ref[b]
     layer = layer_ref[0]
     steps = pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
@@ -147,9 +150,21 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             slot = lax.rem(i, stages)
 
             @pl.when(i >= stages)  # the slot's previous tiles are consumed
+            @jax.named_scope("prod_wait_free")
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
+
+            if residual:  # first: the K-LoRA warpgroup's inputs, so U is ready with K
+                for p in range(ppb):
+                    rows = pl.ds(p * PAGE, PAGE)
+                    plgpu.copy_gmem_to_smem(kr_ref.at[layer, ids[ppb + p]],
+                                            kr_smem.at[slot, rows], r_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(vr_ref.at[layer, ids[ppb + p]],
+                                            vr_smem.at[slot, rows], r_ready.at[slot])
+                # cos | sin of the block's positions (the same for every CTA: L2)
+                plgpu.copy_gmem_to_smem(tab_ref.at[block_of(i)], tab_smem.at[slot],
+                                        r_ready.at[slot])
 
             for p in range(ppb):
                 rows = pl.ds(p * PAGE, PAGE)
@@ -157,15 +172,6 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                                         k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[layer, h, ids[p]], v_smem.at[slot, rows],
                                         v_ready.at[slot])
-                if residual:
-                    rpage = ids[ppb + p]
-                    plgpu.copy_gmem_to_smem(kr_ref.at[layer, rpage], kr_smem.at[slot, rows],
-                                            r_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(vr_ref.at[layer, rpage], vr_smem.at[slot, rows],
-                                            v_ready.at[slot])
-            if residual:  # cos | sin of the block's positions (the same for every CTA: L2)
-                plgpu.copy_gmem_to_smem(tab_ref.at[block_of(i)], tab_smem.at[slot],
-                                        r_ready.at[slot])
             return nxt
 
         lax.fori_loop(0, steps, step, page_ids(0))
@@ -176,6 +182,9 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
 
     if residual:
+        G = w_smem.shape[1] // kr_smem.shape[-1]
+        u_slots = u_smem.shape[0]
+
         @pl.when(wg == consumers)
         def _k_lora():  # U = (tab @ W) * [rK, .., rK]: the K-LoRA scores, not yet summed over r
             _set_registers(k_regs, n_wg)
@@ -184,72 +193,89 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
             @pl.loop(0, steps)
             def _(i):
-                slot, c = lax.rem(i, stages), lax.rem(i, consumers)
-                plgpu.barrier_wait(r_ready.at[slot])
+                slot, u = lax.rem(i, stages), lax.rem(i, u_slots)
+                with jax.named_scope("kl_wait_r"):
+                    plgpu.barrier_wait(r_ready.at[slot])
+                # rV into the first R columns of a 64-wide slot: rV^T is a wgmma's M operand
+                # (64 rows) in O_r^T = rV^T P^T; the rows past R are never read back
+                rvp_smem[slot, :, pl.ds(0, vr_smem.shape[-1])] = vr_smem[slot]
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_ready.at[slot])
                 if "k_lora" in skip:
                     plgpu.barrier_arrive(k_free.at[slot])
                     return
-                (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
+                with jax.named_scope("kl_mma"):
+                    (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
                 rk = kr_smem[slot].astype(jnp.float32)
                 plgpu.barrier_arrive(k_free.at[slot])  # tab and rK of the slot are read
 
-                @pl.when(i >= consumers)  # consumer c is done with its previous U
+                @pl.when(i >= u_slots)  # the consumer is done with the slot's previous U
+                @jax.named_scope("kl_wait_u_free")
                 def _():
-                    plgpu.barrier_wait(u_free.at[c])
+                    plgpu.barrier_wait(u_free.at[u])
 
-                # column g * R + r of U: query head g, rank r
-                u_smem[c] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
-                plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
-                plgpu.barrier_arrive(u_ready.at[c])
+                with jax.named_scope("kl_store_u"):
+                    # column g * R + r of U: query head g, rank r
+                    u_smem[u] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
+                    plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
+                plgpu.barrier_arrive(u_ready.at[u])
 
             if "k_lora" not in skip:
-                @pl.loop(jnp.maximum(steps - consumers, 0), steps)  # observe the last releases
+                @pl.loop(jnp.maximum(steps - u_slots, 0), steps)  # observe the last releases
                 def _(i):
-                    plgpu.barrier_wait(u_free.at[lax.rem(i, consumers)])
+                    plgpu.barrier_wait(u_free.at[lax.rem(i, u_slots)])
 
     @pl.when(wg < consumers)
     def _attention():
         _set_registers(c_regs, n_wg)
         c = wg
-        # each consumer loads (the same) q and E and tracks its own copy
+        # each consumer loads (the same) q (and E^T) and tracks its own copy
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[c])
         if residual:
             plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[c])
         plgpu.barrier_wait(q_bar.at[c])
-        m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), WGMMA.reduce(1))
-        o = plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), WGMMA)
-        o_r = (plgpu.layout_cast(jnp.zeros((ROWS, vr_smem.shape[-1]), jnp.float32), WGMMA)
-               if residual else None)
+        # Residual: transposed (S^T = K q^T + U E^T, O^T = V^T P^T, O_r^T = rV^T P^T), so the
+        # 16 padded query rows are wgmma's N, not its M of 64; the softmax runs down the keys.
+        ax = int(residual)  # the query axis of S (S^T)
+        n_q = q_smem.shape[0]
+        m = plgpu.layout_cast(jnp.full((n_q,), MASK_VALUE, jnp.float32), WGMMA.reduce(1 - ax))
+        l = plgpu.layout_cast(jnp.zeros((n_q,), jnp.float32), WGMMA.reduce(1 - ax))
+        vs = (v_smem, rvp_smem) if residual and "rv" not in skip else (v_smem,)
+        o_shapes = [(ref.shape[-1], n_q) if residual else (n_q, d) for ref in vs]
+        o = tuple(plgpu.layout_cast(jnp.zeros(x, jnp.float32), WGMMA) for x in o_shapes)
 
         def step(t, carry):
-            o, o_r, m, l = carry
+            o, m, l = carry
             i = c + t * consumers
             slot = lax.rem(i, stages)
             kb = block_of(i)
-            plgpu.barrier_wait(k_ready.at[slot])
-            terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
+            with jax.named_scope("c_wait_k"):
+                plgpu.barrier_wait(k_ready.at[slot])
+            if residual:
+                terms = [(k_smem.at[slot], q_smem.transpose((1, 0)))]
+            else:
+                terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
             use_u = residual and "k_lora" not in skip
-            if use_u:  # + sum_r U[key, g * R + r] into row g: E is ones at (g, g * R + r)
-                plgpu.barrier_wait(u_ready.at[c])
-                terms.append((e_smem, u_smem.at[c].transpose((1, 0))))
-            (s,) = _mma([terms], [(ROWS, BLOCK_K)])
+            if use_u:  # + sum_r U[key, g * R + r] into column g: E^T is ones at (g * R + r, g)
+                u = lax.rem(i, u_slots)
+                with jax.named_scope("c_wait_u"):
+                    plgpu.barrier_wait(u_ready.at[u])
+                terms.append((u_smem.at[u], e_smem))
+            s_shape = (BLOCK_K, n_q) if residual else (n_q, BLOCK_K)
+            with jax.named_scope("c_s_mma"):
+                (s,) = _mma([terms], [s_shape])
             plgpu.barrier_arrive(k_free.at[slot])
             if use_u:
-                plgpu.barrier_arrive(u_free.at[c])
-            key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1,
-                                                        layout=WGMMA)
+                plgpu.barrier_arrive(u_free.at[u])
+            key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - ax, layout=WGMMA)
             s = jnp.where(key < length, s * scale, MASK_VALUE)  # NaN keys past the end too
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1 - ax))
             alpha = jnp.exp2(m - m_new)
-            p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p_.sum(axis=1)
+            p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [ax]))
+            l = l * alpha + p_.sum(axis=1 - ax)
             p_smem[c] = p_.astype(p_smem.dtype)
-            use_rv = residual and "rv" not in skip
-            if use_rv:
-                pr_smem[c] = p_.astype(p_smem.dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
-            vs = (v_smem, vr_smem) if residual else (v_smem,)
+            with jax.named_scope("c_wait_v"):
+                plgpu.barrier_wait(v_ready.at[slot])
 
             @pl.when((kb + 1) * BLOCK_K > length)  # the last block: zero V rows past the end
             def _():                               # (0 * NaN in an unused slot is NaN)
@@ -260,27 +286,28 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                     ref[slot] = jnp.where(row < length, v, jnp.zeros_like(v))
 
             plgpu.commit_smem()
-            pv = _mma([[(p_smem.at[c], v_smem.at[slot])]]
-                      + ([[(pr_smem.at[c], vr_smem.at[slot])]] if use_rv else []),
-                      [(ROWS, ref.shape[-1]) for ref in vs[:1 + use_rv]])
+            with jax.named_scope("c_pv_mma"):
+                if residual:
+                    pv = _mma([[(ref.at[slot].transpose((1, 0)), p_smem.at[c])] for ref in vs],
+                              o_shapes)
+                else:
+                    pv = _mma([[(p_smem.at[c], v_smem.at[slot])]], o_shapes)
             plgpu.barrier_arrive(v_free.at[slot])
-            o = o * lax.broadcast_in_dim(alpha, o.shape, [0]) + pv[0]
-            if use_rv:  # acc_r: the same rescale; B_v waits for the combine
-                o_r = o_r * lax.broadcast_in_dim(alpha, o_r.shape, [0]) + pv[1]
-            return o, o_r, m_new, l
+            o = tuple(x * lax.broadcast_in_dim(alpha, x.shape, [ax]) + y for x, y in zip(o, pv))
+            return o, m_new, l
 
-        o, o_r, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
-                                     (o, o_r, m, l))
+        o, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
+                                (o, m, l))
         split = ks * consumers + c
-        o_ref[b, split, h] = o
+        o_ref[b, split, h] = o[0]
+        if len(o) > 1:
+            or_ref[b, split, h] = o[1]
         ml_ref[b, split, h, 0] = m
         ml_ref[b, split, h, 1] = l
-        if residual:
-            or_ref[b, split, h] = o_r
 
 
-def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, dt):
-    """W [B, Hkv, D, G*R], E [ROWS, G*R], tab [n_blocks, BLOCK_K, D] (see the docstring)."""
+def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, n_q, dt):
+    """W [B, Hkv, D, G*R], E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the docstring)."""
     B, Hq, D = q.shape
     G, R, h = Hq // Hkv, b_k.shape[1], D // 2
     qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
@@ -289,14 +316,63 @@ def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, dt):
     prod = functools.partial(jnp.einsum, "bhgj,bhrj->bhjgr")
     w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
     w = w.reshape(B, Hkv, D, G * R)
-    e = jnp.arange(ROWS)[:, None] == jnp.arange(G * R)[None, :] // R
+    e_t = jnp.arange(G * R)[:, None] // R == jnp.arange(n_q)[None, :]
     cos, sin = rope_cos_sin(jnp.arange(n_blocks * BLOCK_K), inv_freq)
     tab = jnp.concatenate([cos, sin], -1).reshape(n_blocks, BLOCK_K, D)
-    return w.astype(dt), e.astype(dt), tab.astype(dt)
+    return w.astype(dt), e_t.astype(dt), tab.astype(dt)
+
+
+def _query_rows(G: int, residual: bool) -> int:
+    """Query rows of q: wgmma's N when transposed (residual; P^T tiles need a 32-byte swizzle,
+    so at least 16 bf16 columns), else its M (64)."""
+    return -(-G // 16) * 16 if residual else ROWS
+
+
+def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
+    """Shared memory of the kernel (R = 0: unified) -> (scratch types, bytes incl. extra)."""
+    residual = R > 0
+    n_q, ppb = _query_rows(G, residual), BLOCK_K // PAGE
+    # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: transposed, V, rV,
+    # U and E^T are tiled like P^T (16 columns)
+    ntile = _tiles(n_q, dt) if residual else _tiles(D, dt)
+    scratch = [
+        plgpu.SMEM((n_q, D), dt, transforms=_tiles(D, dt)),  # q
+        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # K
+        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=ntile),  # V
+        plgpu.SMEM((consumers,) + ((BLOCK_K, n_q) if residual else (ROWS, BLOCK_K)), dt,
+                   transforms=_tiles(n_q if residual else BLOCK_K, dt)),  # P (P^T)
+        plgpu.Barrier(num_arrivals=1 + residual, num_barriers=consumers),  # q (and E^T)
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # K pages landed
+        plgpu.Barrier(num_arrivals=ppb + residual, num_barriers=stages),  # V (and rV)
+        plgpu.Barrier(num_arrivals=1 + residual, num_barriers=stages),  # K (tab, rK) slot free
+        plgpu.Barrier(num_barriers=stages),  # V slot free
+    ]
+    if residual:
+        gr = _tiles(G * R, dt)
+        scratch += [
+            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rK
+            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rV
+            plgpu.SMEM((stages, BLOCK_K, ROWS), dt, transforms=ntile),  # rV, 64 columns
+            plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=gr),  # tab (tiled like W)
+            plgpu.SMEM((D, G * R), dt, transforms=gr),  # W
+            plgpu.SMEM((G * R, n_q), dt, transforms=ntile),  # E^T
+            plgpu.Barrier(),  # W
+            plgpu.Barrier(num_arrivals=2 * ppb + 1, num_barriers=stages),  # rK, rV, tab
+        ]
+    smem = extra_bytes + sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                             for x in scratch if hasattr(x, "shape"))
+    if residual:  # U: two slots per consumer where they fit (K-LoRA runs a block ahead: -2%)
+        u_bytes = BLOCK_K * G * R * jnp.dtype(dt).itemsize
+        u_slots = consumers * (2 if smem + 2 * consumers * u_bytes <= SMEM_BYTES else 1)
+        smem += u_slots * u_bytes
+        scratch += [plgpu.SMEM((u_slots, BLOCK_K, G * R), dt, transforms=ntile),  # U
+                    plgpu.Barrier(num_barriers=u_slots),  # U ready
+                    plgpu.Barrier(num_barriers=u_slots)]  # U free
+    return scratch, smem
 
 
 def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits,
-            stages, consumers, interpret, skip=()):
+            stages, consumers, interpret, skip=(), profile_dir=""):
     B, Hq, D = q.shape
     Hkv, _, S, _ = k_pages.shape[-4:]
     if layer is None:  # one layer: a leading axis of 1 (a free reshape), layer 0
@@ -306,101 +382,90 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
             res = (res[0][None], res[1][None]) + tuple(res[2:])
     G = Hq // Hkv
     R = 0 if res is None else res[0].shape[-1]
-    if not supports(Hq, Hkv, D, S, R, k_pages.dtype):
+    if not _shapes_ok(Hq, Hkv, D, S, R, k_pages.dtype):
         raise ValueError(f"mgpu decode: no kernel for Hq={Hq} Hkv={Hkv} D={D} page={S} R={R} "
                          f"{k_pages.dtype}")
     if stages % consumers:
         raise ValueError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
+    residual = res is not None
     ppb = BLOCK_K // S
     mp = -(-page_table.shape[1] // ppb) * ppb
+    if k_splits is None:  # one CTA per SM (shared memory): split the keys until all SMs work
+        k_splits = max(1, min(-(-SMS // (B * Hkv)), mp // ppb))
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
-    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, ROWS - G), (0, 0)))
+    n_q = _query_rows(G, residual)
+    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, n_q - G), (0, 0)))
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * math.log2(math.e)
     n_out = k_splits * consumers
-    out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, D), f32),
-                jax.ShapeDtypeStruct((B, n_out, Hkv, 2, ROWS), f32)]
-    scratch = [
-        plgpu.SMEM((ROWS, D), dt, transforms=_tiles(D, dt)),  # q
-        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # K
-        plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(D, dt)),  # V
-        plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(BLOCK_K, dt)),  # P
-        plgpu.Barrier(num_arrivals=1 + (R > 0), num_barriers=consumers),  # q (and E)
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),  # K pages landed
-        plgpu.Barrier(num_arrivals=ppb * (2 if R else 1), num_barriers=stages),  # V (and rV)
-        plgpu.Barrier(num_arrivals=1 + (R > 0), num_barriers=stages),  # K (tab, rK) slot free
-        plgpu.Barrier(num_barriers=stages),  # V slot free
-    ]
+    out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv) + ((D, n_q) if residual else (n_q, D)),
+                                     f32),
+                jax.ShapeDtypeStruct((B, n_out, Hkv, 2, n_q), f32)]
     args = [qx, k_pages, v_pages, pad_pages(page_table), lengths.astype(jnp.int32),
             jnp.asarray(layer, jnp.int32).reshape(1)]
-    if res is not None:
+    if residual:
         k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
         args += [k_res, v_res, pad_pages(res_pages), *_k_lora_operands(
-            q, b_k, adapter_ids, inv_freq, Hkv, mp // ppb, dt)]
-        out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, R), f32))
-        scratch += [
-            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rK
-            plgpu.SMEM((stages, BLOCK_K, R), dt, transforms=_tiles(R, dt)),  # rV
-            # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: P rV takes
-            # a copy of P in rV's narrow tiling (in V's, the copy of V has too many TMA dims);
-            # tab @ W and E @ U^T are tiled like their G*R-wide operand.
-            plgpu.SMEM((consumers, ROWS, BLOCK_K), dt, transforms=_tiles(R, dt)),  # P again
-            plgpu.SMEM((stages, BLOCK_K, D), dt, transforms=_tiles(G * R, dt)),  # tab
-            plgpu.SMEM((D, G * R), dt, transforms=_tiles(G * R, dt)),  # W
-            plgpu.SMEM((ROWS, G * R), dt, transforms=_tiles(G * R, dt)),  # E
-            plgpu.SMEM((consumers, BLOCK_K, G * R), dt, transforms=_tiles(G * R, dt)),  # U
-            plgpu.Barrier(),  # W
-            plgpu.Barrier(num_arrivals=ppb + 1, num_barriers=stages),  # rK pages, tab
-            plgpu.Barrier(num_barriers=consumers),  # U ready
-            plgpu.Barrier(num_barriers=consumers),  # U free
-        ]
-    smem = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in scratch
-               if hasattr(x, "shape"))
+            q, b_k, adapter_ids, inv_freq, Hkv, mp // ppb, n_q, dt)]
+        out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
+    n_wg = consumers + 1 + residual
+    scratch, smem = _scratch(G, R, D, dt, stages, consumers,
+                             bool(profile_dir) * PROFILE_RANGES * 16 * n_wg)
     if smem > SMEM_BYTES:
         raise ValueError(f"mgpu decode: {smem} B of shared memory for stages={stages} "
                          f"consumers={consumers} G={G} R={R} D={D} (at most {SMEM_BYTES})")
-    residual = res is not None
     kernel = plgpu.kernel(
         functools.partial(_kernel, k_splits=k_splits, stages=stages, consumers=consumers,
                           scale=scale, residual=residual, skip=skip),
         out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hkv, k_splits),
-        grid_names=("b", "h", "ks"), num_threads=consumers + 1 + residual, thread_name="wg",
+        grid_names=("b", "h", "ks"), num_threads=n_wg, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            profile_space=PROFILE_RANGES, profile_dir=profile_dir, profile_bounds_check=True)
+        if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    outs = kernel(*args)
-    ml = outs[1]
-    bv = (b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B, Hkv, R, D]
-          if residual else None)
-    o = combine_splits(outs[0], ml[:, :, :, 0], ml[:, :, :, 1],
-                       outs[2] if residual else None, bv)
+    o, ml, *rest = kernel(*args)
+    o_r = bv = None
+    if residual:  # O^T, O_r^T (R rows of 64 are rV's) -> O, O_r; B_v once, after the combine
+        o, o_r = o.swapaxes(-1, -2), rest[0][..., :R, :].swapaxes(-1, -2)
+        bv = b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B,Hkv,R,D]
+    o = combine_splits(o, ml[:, :, :, 0], ml[:, :, :, 1], o_r, bv)
     return o[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
 
 
-def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
-    """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified)."""
-    return (page_size == PAGE and D in (64, 128) and Hq // Hkv <= ROWS and R in (0, 16, 32)
-            and Hq // Hkv * R <= 256  # U's width: a wgmma N
+def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
+    G = Hq // Hkv
+    return (page_size == PAGE and D in (64, 128) and G <= ROWS and R in (0, 16, 32)
+            and G * R <= 256  # U's width: a wgmma N
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype, stages: int = 3,
+             consumers: int = 1) -> bool:
+    """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified), with a
+    ring of `stages` and `consumers` that fits shared memory (the defaults: the residual's)."""
+    return (_shapes_ok(Hq, Hkv, D, page_size, R, dtype)
+            and _scratch(Hq // Hkv, R, D, dtype, stages, consumers)[1] <= SMEM_BYTES)
 
 
 _STATIC = ("sm_scale", "k_splits", "stages", "consumers", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("skip",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("skip", "profile_dir"))
 def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
                          b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
-                         k_splits: int = 1, stages: int = 3, consumers: int = 1,
-                         interpret: bool = False, skip: tuple = ()):
-    """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R a
-    16 or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D]. The default ring (3 stages,
-    one attention warpgroup) is the largest that fits shared memory at the Llama-3-8B shape.
+                         k_splits: int | None = None, stages: int = 3, consumers: int = 1,
+                         interpret: bool = False, skip: tuple = (), profile_dir: str = ""):
+    """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
+    or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D].
 
-    skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv"
-    the P rV accumulator (the leave-one-out timings in BENCHMARKS.md)."""
+    skip: diagnosis only, outputs wrong on purpose: ("k_lora",) drops the K-LoRA scores.
+    profile_dir: write a trace of the named scopes of each warpgroup there
+    (scripts/mgpu_profile.py reads it)."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
                    sm_scale=sm_scale, k_splits=k_splits, stages=stages, consumers=consumers,
-                   interpret=interpret, skip=skip)
+                   interpret=interpret, skip=skip, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
