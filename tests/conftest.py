@@ -13,16 +13,8 @@ jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA executions block
-# in callbacks on each other's barriers, under a callback of the kernel's own execution that
-# waits for them all. Our reading: blocked callbacks hold threads of XLA's CPU intra-op pool (2
-# here), so the other warpgroups' executions cannot run. test_mgpu_decode.py hung in 3 of 4
-# runs (~0 % CPU; faulthandler: one thread in a barrier wait, three inside XLA executions).
-# Without the pool (`--xla_cpu_multi_thread_eigen=false`, set before the CPU client exists)
-# each execution runs on its caller's thread: 4 of 5 runs passed, in 45-54 s instead of ~3.5
-# min; the fifth still hung, so test_mgpu_decode.py also runs its interpreted cases in child
-# processes (`isolated`). Async dispatch off too (executions inline on the calling thread).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_cpu_multi_thread_eigen=false").strip()
+# on each other's barriers; dispatched asynchronously they queue behind blocked ones. Inline,
+# each execution runs on its own thread (see also `isolated` in test_mgpu_decode.py).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 

@@ -24,10 +24,15 @@ HANG_S = 300  # an interpreted case takes 10-40 s on 2 cores
 def isolated(test):
     """Interpreted, run the test in a child pytest process, and once more if that one hangs.
 
-    JAX 0.11.2's Mosaic GPU interpreter (a Python thread per warpgroup, XLA executions blocking
-    in barrier callbacks) now and then deadlocks at ~0 % CPU: 1 of 5 runs of this file even
-    with conftest's XLA flags, in a different case each time, never on the GPU. A hang costs a
-    child process, not the suite; a failure in the child fails the test, and two hangs too."""
+    JAX 0.11.2's Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA
+    executions block in callbacks on each other's barriers, under a callback of the kernel's
+    own execution that waits for them all. It hung at ~0 % CPU in 3 of 4 runs of this file
+    (faulthandler: one thread in a barrier wait, three inside XLA executions); never on the GPU.
+    Our reading: blocked callbacks hold threads of XLA's CPU intra-op pool (2 here). Without
+    the pool (`--xla_cpu_multi_thread_eigen=false`, given to the child only: the rest of the
+    suite runs slower with it) 4 of 5 runs passed, in 45-54 s instead of ~3.5 min; the fifth
+    still hung. So a hang costs a child process, not the suite; a failure in the child fails
+    the test, and so do two hangs."""
     if not INTERPRET or os.environ.get(_CHILD):
         return test
 
@@ -35,11 +40,12 @@ def isolated(test):
     def run(*args, **kwargs):
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
+        env = {**os.environ, _CHILD: "1", "XLA_FLAGS": (
+            os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()}
         for _ in range(2):
             try:
                 r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parents[1], timeout=HANG_S,
-                                   env={**os.environ, _CHILD: "1"}, capture_output=True,
-                                   text=True)
+                                   env=env, capture_output=True, text=True)
             except subprocess.TimeoutExpired:
                 continue
             assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
