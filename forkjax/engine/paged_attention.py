@@ -56,7 +56,8 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
         if residual:
             decode = ops["res_decode"]
             if use_pallas and jax.default_backend() == "gpu" and mgpu_decode.supports(
-                    hq, hkv, hd, pools.base_k.shape[-2], pools.res_k.shape[-1], q.dtype):
+                    hq, hkv, hd, pools.base_k.shape[-2], pools.res_k.shape[-1],
+                    pools.base_k.dtype):
                 decode = mgpu_decode.mgpu_residual_decode
             out = decode(q, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
                          m.res_pages, lengths, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer,

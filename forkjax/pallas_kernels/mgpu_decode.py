@@ -410,8 +410,9 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
             q, b_k, adapter_ids, inv_freq, Hkv, mp // ppb, n_q, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
     n_wg = consumers + 1 + residual
+    # the profiler's buffer: per warpgroup and range two events of two int32 entries
     scratch, smem = _scratch(G, R, D, dt, stages, consumers,
-                             bool(profile_dir) * PROFILE_RANGES * 16 * n_wg)
+                             bool(profile_dir) * PROFILE_RANGES * 2 * 2 * 4 * n_wg)
     if smem > SMEM_BYTES:
         raise ValueError(f"mgpu decode: {smem} B of shared memory for stages={stages} "
                          f"consumers={consumers} G={G} R={R} D={D} (at most {SMEM_BYTES})")
@@ -459,7 +460,8 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
     or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D].
 
-    skip: diagnosis only, outputs wrong on purpose: ("k_lora",) drops the K-LoRA scores.
+    skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv" the
+    O_r^T = rV^T P^T product.
     profile_dir: write a trace of the named scopes of each warpgroup there
     (scripts/mgpu_profile.py reads it)."""
     return _decode(q, k_base, v_base, base_pages, lengths,
