@@ -25,6 +25,28 @@ from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 
 
+def steady_engine(args):
+    """`llama3-8b-random` (args.model) with one rank-16 adapter and args.batch requests of
+    args.context tokens in steady decode (prompts prefilled and cached first, as bench_engine.py
+    does, so that they decode together)."""
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
+    adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
+    engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
+                                            cache_policy=args.policy, max_batch_size=64,
+                                            kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
+                                            overlap=not getattr(args, "no_overlap", False))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
+    engine.generate(prompts, adapters="agent", max_new_tokens=1)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    seqs = [engine.add_request(p, "agent", params) for p in prompts]
+    while any(s.in_prefill or s.cache is None for s in seqs):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="diag_out")
@@ -36,20 +58,7 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the output file")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
-    adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
-    engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
-                                            cache_policy=args.policy, max_batch_size=64,
-                                            kv_cache_bytes=int(args.kv_cache_bytes), warmup=False)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
-    engine.generate(prompts, adapters="agent", max_new_tokens=1)
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    seqs = [engine.add_request(p, "agent", params) for p in prompts]
-    while any(s.in_prefill or s.cache is None for s in seqs):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    engine = steady_engine(args)
     # CUPTI around plain engine steps (profiler.measure would jit-trace its function).
     ext = profiler.mosaic_gpu_lib._mosaic_gpu_ext
     n = 3

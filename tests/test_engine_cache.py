@@ -109,6 +109,31 @@ def test_partial_hit_writes_only_base_and_output_is_unchanged(forkkv_llama):
     np.testing.assert_allclose(again, first, rtol=1e-5, atol=1e-5)
 
 
+def test_fork_inside_a_page_copies_it_and_stays_exact(hf_suite, forkkv_llama):
+    """B shares A's first 40 tokens: pages 0-1 and 8 tokens of A's page 2, which B must copy
+    (copy-on-write) before writing its own tokens there; A's page must stay intact."""
+    base, adapters = hf_suite["llama"]
+    engine = forkkv_llama
+    hf = load_hf(base, torch.float32, adapters["qkvo8"])
+    a, tail = _prompt(11, 100, 203), _prompt(12, 30, 203)
+    engine.score(a, adapter="qkvo8")
+    copies = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch, *r: copies.extend(batch.base_copies) or launch(batch, *r)
+    try:
+        s0 = engine.stats()
+        forked = engine.score(a[:40] + tail, adapter="qkvo8")
+        assert engine.stats()["base_hit_tokens"] - s0["base_hit_tokens"] == 40
+        assert len(copies) == 1
+        assert rel_err(forked, hf_logits(hf, a[:40] + tail)) < 1e-4
+        # Decode from a prompt that ends inside a cached page: its last token is recomputed.
+        assert engine.generate([a[:40]], adapters="qkvo8", max_new_tokens=6)[0] == hf_greedy(hf, a[:40], 6)
+        assert len(copies) == 2
+        assert rel_err(engine.score(a, adapter="qkvo8"), hf_logits(hf, a)) < 1e-4  # A intact
+    finally:
+        engine.runner.launch = launch
+
+
 @pytest.mark.parametrize("policy", ["prefix", "forkkv"])
 def test_memory_pressure_gives_the_same_outputs(policy):
     adapters = _mild_adapters(3)

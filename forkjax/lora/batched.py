@@ -33,8 +33,11 @@ def _slot_mask(group_sizes, num_tokens: int, dtype):
 
 
 def lora_shrink(x, a, group_sizes, precision=None):
-    """x [T, d_in] · a [N, d_in, R] grouped by `group_sizes` [N] int32 -> xA [T, R] (x's dtype)."""
-    xa = jnp.einsum("td,ndr->tnr", x, a, precision=precision,
+    """x [T, d_in] · a [d_in, N, R] grouped by `group_sizes` [N] int32 -> xA [T, R] (x's dtype).
+
+    a is stored d_in-major so that it is the GEMM's [d_in, N·R] operand as it lies: stored
+    [N, d_in, R], XLA transposed every A on every step (2 µs each on the H200)."""
+    xa = jnp.einsum("td,dnr->tnr", x, a, precision=precision,
                     preferred_element_type=jnp.float32)  # every slot's columns
     mask = _slot_mask(group_sizes, x.shape[0], jnp.float32)
     return jnp.einsum("tnr,tn->tr", xa, mask, precision=precision).astype(x.dtype)
@@ -51,16 +54,18 @@ def lora_expand(xa, b, group_sizes, precision=None):
 
 def slots_from_group_sizes(group_sizes, num_tokens: int):
     """[N] group sizes -> [T] adapter slot of every token (padding rows get slot N)."""
+    # Count the group ends at or before each row: jnp.searchsorted lowers to a while loop, and
+    # the GPU runtime copies a loop's predicate to the host each iteration, mid-step.
     ends = jnp.cumsum(group_sizes)
-    return jnp.searchsorted(ends, jnp.arange(num_tokens), side="right").astype(jnp.int32)
+    return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
 def lora_naive_reference(x, a, b, slots):
-    """x [T, d_in], a [N, d_in, R], b [N, R, d_out], slots [T] -> x A_s B_s [T, d_out] in float32.
+    """x [T, d_in], a [d_in, N, R], b [N, R, d_out], slots [T] -> x A_s B_s [T, d_out] in float32.
 
     Gathers a per-token [d_in, R] weight: the formulation the grouped one avoids. Tests only.
     """
-    a_tok = a[slots].astype(jnp.float32)  # [T, d_in, R]
+    a_tok = a.transpose(1, 0, 2)[slots].astype(jnp.float32)  # [T, d_in, R]
     b_tok = b[slots].astype(jnp.float32)  # [T, R, d_out]
     xa = jnp.einsum("td,tdr->tr", x.astype(jnp.float32), a_tok, precision="highest")
     return jnp.einsum("tr,tro->to", xa, b_tok, precision="highest")

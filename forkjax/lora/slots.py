@@ -52,13 +52,13 @@ def write_slot(model, slot: int, adapter: LoraAdapter | None):
         for module in modules:
             proj = _projection(model, layer, module)
             a_all, b_all = proj.lora_a.get_value(), proj.lora_b.get_value()
-            a = np.zeros(a_all.shape[1:], np.float32)
+            a = np.zeros((a_all.shape[0], a_all.shape[2]), np.float32)  # a_all [in, N, R]
             b = np.zeros(b_all.shape[1:], np.float32)
             if adapter is not None and (layer, module) in adapter.weights:
                 wa, wb = adapter.weights[(layer, module)]
                 a[:, :wa.shape[1]] = wa
                 b[:wb.shape[0], :] = wb
-            proj.lora_a.set_value(a_all.at[slot].set(jnp.asarray(a, a_all.dtype)))
+            proj.lora_a.set_value(a_all.at[:, slot].set(jnp.asarray(a, a_all.dtype)))
             proj.lora_b.set_value(b_all.at[slot].set(jnp.asarray(b, b_all.dtype)))
 
 

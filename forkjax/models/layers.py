@@ -74,7 +74,7 @@ def apply_rope(x, cos, sin):
 class LoRALinear(nnx.Module):
     """A projection with stacked multi-adapter LoRA weights.
 
-    `lora_a` [N, in, R] and `lora_b` [N, R, out] hold N adapter slots (slot 0 is the bare base
+    `lora_a` [in, N, R] and `lora_b` [N, R, out] hold N adapter slots (slot 0 is the bare base
     model and stays zero), ranks zero-padded to R, the LoRA scale folded into `lora_b`.
     `__call__` returns the pair (xW + b, xA): K and V keep it (the cache stores the parts apart);
     `merged` adds xA·B at once for the other projections. With `lora=False` (a projection no
@@ -85,7 +85,7 @@ class LoRALinear(nnx.Module):
                  precision=None, lora: bool = True):
         self.weight = nnx.Param(jnp.zeros((d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
-        self.lora_a = nnx.Param(jnp.zeros((num_slots, d_in, rank), dtype)) if lora else None
+        self.lora_a = nnx.Param(jnp.zeros((d_in, num_slots, rank), dtype)) if lora else None
         self.lora_b = nnx.Param(jnp.zeros((num_slots, rank, d_out), dtype)) if lora else None
         self.precision = precision
 
