@@ -25,6 +25,18 @@ from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 
 
+def engine_args() -> argparse.ArgumentParser:
+    """The options of `steady_engine` (shared with diag_engine_timeline.py)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="diag_out")
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--policy", default="forkkv")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--kv-cache-bytes", type=float, default=24e9)
+    return ap
+
+
 def steady_engine(args):
     """`llama3-8b-random` (args.model) with one rank-16 adapter and args.batch requests of
     args.context tokens in steady decode (prompts prefilled and cached first, as bench_engine.py
@@ -48,13 +60,7 @@ def steady_engine(args):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="diag_out")
-    ap.add_argument("--model", default="llama3-8b-random")
-    ap.add_argument("--policy", default="forkkv")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--kv-cache-bytes", type=float, default=24e9)
+    ap = engine_args()
     ap.add_argument("--tag", default="", help="suffix of the output file")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -12,7 +12,6 @@ A diagnostic for the overlap of host and device work (issue 5), not a benchmark.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -23,7 +22,7 @@ import time
 
 import jax
 
-from diag_engine_step import steady_engine  # scripts/ is on sys.path when this script runs
+from diag_engine_step import engine_args, steady_engine  # scripts/ is on sys.path when this script runs
 
 
 def annotate(obj, name: str, label: str):
@@ -97,13 +96,7 @@ def summarise(trace: dict, gap_us: float) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="diag_out")
-    ap.add_argument("--model", default="llama3-8b-random")
-    ap.add_argument("--policy", default="forkkv")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--kv-cache-bytes", type=float, default=24e9)
+    ap = engine_args()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gap-us", type=float, default=20.0, help="idle gaps listed from this long")
     ap.add_argument("--no-overlap", action="store_true")

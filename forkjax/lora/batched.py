@@ -54,8 +54,8 @@ def lora_expand(xa, b, group_sizes, precision=None):
 
 def slots_from_group_sizes(group_sizes, num_tokens: int):
     """[N] group sizes -> [T] adapter slot of every token (padding rows get slot N)."""
-    # Count the group ends at or before each row: jnp.searchsorted lowers to a while loop, and
-    # the GPU runtime copies a loop's predicate to the host each iteration, mid-step.
+    # Count the group ends at or before each row: jnp.searchsorted lowers to a while loop, which
+    # XLA's GPU runtime drives from the host (170-240 µs of every step's jit call on the H200).
     ends = jnp.cumsum(group_sizes)
     return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
