@@ -34,6 +34,7 @@ def engine_args() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9)
+    ap.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
     return ap
 
 
@@ -46,7 +47,7 @@ def steady_engine(args):
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
                                             cache_policy=args.policy, max_batch_size=64,
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
-                                            overlap=not getattr(args, "no_overlap", False))
+                                            overlap=not args.no_overlap)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
     engine.generate(prompts, adapters="agent", max_new_tokens=1)

@@ -57,8 +57,9 @@ def summarise(trace: dict, gap_us: float) -> dict:
     per_thread = collections.Counter((procs.get(e["pid"], "?"), threads.get((e["pid"], e["tid"]), "?"))
                                      for e in spans)
     # Kernels and copies are on the GPU's "Stream" threads (other device lines repeat them).
-    device = [(e["ts"], e["ts"] + e["dur"]) for e in spans
-              if "GPU" in procs.get(e["pid"], "") and "Stream" in threads.get((e["pid"], e["tid"]), "")]
+    on_gpu = [e for e in spans if "GPU" in procs.get(e["pid"], "")
+              and "Stream" in threads.get((e["pid"], e["tid"]), "")]
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in on_gpu]
     host = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
                   if e["name"].startswith("fj_"))
     launches = [h for h in host if h[2] == "fj_launch"]
@@ -74,9 +75,8 @@ def summarise(trace: dict, gap_us: float) -> dict:
 
     steps = len(launches) - 1
     kernels = collections.defaultdict(lambda: [0, 0.0])
-    for e in spans:
-        if ("GPU" in procs.get(e["pid"], "") and "Stream" in threads.get((e["pid"], e["tid"]), "")
-                and t0 <= e["ts"] < t1):
+    for e in on_gpu:
+        if t0 <= e["ts"] < t1:
             kernels[e["name"]][0] += 1
             kernels[e["name"]][1] += e["dur"]
     return dict(
@@ -99,7 +99,6 @@ def main():
     ap = engine_args()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gap-us", type=float, default=20.0, help="idle gaps listed from this long")
-    ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     engine = steady_engine(args)
