@@ -8,6 +8,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +20,43 @@ from test_residual_attention import decode_case, np_attention, rel_err
 
 INTERPRET = jax.default_backend() != "gpu"
 _CHILD = "FORKJAX_MGPU_TEST_CHILD"
-# An interpreted case takes 10-40 s on 2 cores. At 300 s a fresh-clone suite took 818 s against
-# 550 (our reading: one hang and its retry).
-HANG_S = 120
+# A deadlocked child sits at ~0 % CPU; a running one uses a core or shares one with the other
+# xdist worker. So a hang is told by CPU time, not wall time (slow is not hung): under 1 s of CPU
+# in 30 s. A case takes 10-40 s alone.
+STALL_S, STALL_CPU_S, POLL_S = 30, 1.0, 2
+TRIES = 4
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_child(cmd, env) -> tuple[int, str] | None:
+    """Run cmd -> (return code, output), or None once it has stalled (then it is killed)."""
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, cwd=pathlib.Path(__file__).parents[1], env=env, stdout=out,
+                             stderr=subprocess.STDOUT, text=True)
+        samples = []  # CPU seconds, one per poll
+        while p.poll() is None:
+            time.sleep(POLL_S)
+            try:
+                samples.append(_cpu_seconds(p.pid))
+            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+                continue
+            window = STALL_S // POLL_S
+            if len(samples) > window and samples[-1] - samples[-1 - window] < STALL_CPU_S:
+                p.kill()
+                p.wait()
+                return None
+        out.seek(0)
+        return p.returncode, out.read()
 
 
 def isolated(test):
-    """Interpreted, run the test in a child pytest process, and once more if that one hangs.
+    """Interpreted, run the test in a child pytest process, again if that one deadlocks.
 
     JAX 0.11.2's Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA
     executions block in callbacks on each other's barriers, under a callback of the kernel's
@@ -33,8 +65,9 @@ def isolated(test):
     Our reading: blocked callbacks hold threads of XLA's CPU intra-op pool (2 here). Without
     the pool (`--xla_cpu_multi_thread_eigen=false`, given to the child only: the rest of the
     suite runs slower with it) 4 of 5 runs passed, in 45-54 s instead of ~3.5 min; the fifth
-    still hung. So a hang costs a child process, not the suite; a failure in the child fails
-    the test, and so do two hangs."""
+    still hung, and a fresh-clone suite once saw one case hang twice in a row. So a hang costs
+    a child process, not the suite; a failure in the child fails the test, and so do TRIES
+    hangs."""
     if not INTERPRET or os.environ.get(_CHILD):
         return test
 
@@ -44,15 +77,13 @@ def isolated(test):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
         env = {**os.environ, _CHILD: "1", "XLA_FLAGS": (
             os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()}
-        for _ in range(2):
-            try:
-                r = subprocess.run(cmd, cwd=pathlib.Path(__file__).parents[1], timeout=HANG_S,
-                                   env=env, capture_output=True, text=True)
-            except subprocess.TimeoutExpired:
-                continue
-            assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-            return
-        pytest.fail(f"{node}: the interpreter hung twice ({HANG_S} s each)")
+        for _ in range(TRIES):
+            result = _run_child(cmd, env)
+            if result is not None:
+                code, output = result
+                assert code == 0, output[-6000:]
+                return
+        pytest.fail(f"{node}: the interpreter deadlocked {TRIES} times")
 
     return run
 
