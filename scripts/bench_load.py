@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from safetensors.flax import save_file
 
-from forkjax.models.loader import hf_name, load_checkpoint
+from forkjax.models.loader import checkpoint_shapes, load_checkpoint
 
 CONFIG = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
@@ -23,17 +23,12 @@ CONFIG = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermedia
 
 
 def write_checkpoint(path):
-    from flax import nnx
     from forkjax.config import ModelConfig
-    from forkjax.models.transformer import CausalLM
     cfg = ModelConfig.from_hf(CONFIG)
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=1, rank=1, dtype=jnp.bfloat16))
     tensors, key = {}, jax.random.key(0)
-    for p, var in nnx.to_flat_state(nnx.state(abstract)):
-        if p == ("inv_freq",) or p[-1] in ("lora_a", "lora_b"):
-            continue
+    for name, shape in checkpoint_shapes(cfg).items():
         key, sub = jax.random.split(key)
-        tensors[hf_name(p)] = jax.random.normal(sub, var.get_value().shape, jnp.bfloat16)
+        tensors[name] = jax.random.normal(sub, shape, jnp.bfloat16)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(CONFIG, f)

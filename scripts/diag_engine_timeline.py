@@ -81,6 +81,7 @@ def summarise(trace: dict, gap_us: float) -> dict:
             kernels[e["name"]][1] += e["dur"]
     return dict(
         steps=steps, step_us=(t1 - t0) / steps,
+        one_layer=one_layer([e for e in on_gpu if t0 <= e["ts"] < t1], t0),
         device_busy_us_per_step=sum(e - s for s, e in busy) / steps,
         idle_us_per_step=sum(e - s for s, e in gaps) / steps,
         idle_in_gaps_over_threshold_us_per_step=sum(e - s for s, e in long_gaps) / steps,
@@ -93,6 +94,27 @@ def summarise(trace: dict, gap_us: float) -> dict:
         kernels_us_per_step=[(name, n / steps, round(us / steps, 1)) for name, (n, us)
                              in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]],
         threads=per_thread.most_common(30))
+
+
+def one_layer(kernels, t0) -> list:
+    """The kernels from one attention kernel to the next (a decoder layer, in the middle of a
+    step): (start µs from the step's launch, name, µs, idle µs before it). The attention kernel
+    is the costliest kernel name among those that run a multiple-of-the-layer-count times."""
+    kernels = sorted(kernels, key=lambda e: e["ts"])
+    totals = collections.Counter()
+    for e in kernels:
+        totals[e["name"]] += e["dur"]
+    attn = max(totals, key=totals.get)
+    at = [i for i, e in enumerate(kernels) if e["name"] == attn]
+    if len(at) < 4:
+        return []
+    lo, hi = at[2], at[3]
+    out, end = [], kernels[lo]["ts"]
+    for e in kernels[lo:hi + 1]:
+        out.append((round(e["ts"] - t0, 1), e["name"][:90], round(e["dur"], 1),
+                    round(max(e["ts"] - end, 0.0), 1)))
+        end = max(end, e["ts"] + e["dur"])
+    return out
 
 
 def main():
@@ -119,7 +141,10 @@ def main():
     summary.update(batch=args.batch, context=args.context, policy=args.policy,
                    overlap=engine.overlap, step_wall_ms=walls,
                    xla_flags=os.environ.get("XLA_FLAGS", ""))
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("threads", "longest_gaps")}))
+    print(json.dumps({k: v for k, v in summary.items()
+                      if k not in ("threads", "longest_gaps", "one_layer")}))
+    for row in summary.get("one_layer", []):
+        print(*row, sep="\t")
     tag = f"{args.policy}_b{args.batch}{'_sync' if args.no_overlap else ''}"
     with open(os.path.join(args.out, f"diag_engine_timeline_{tag}.json"), "w") as f:
         json.dump(summary, f, indent=1)

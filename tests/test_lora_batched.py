@@ -17,7 +17,7 @@ def test_grouped_equals_naive(seed):
     sizes[0] += t - 3 - sizes.sum()
     gs = jnp.asarray(sizes, jnp.int32)
     x = jnp.asarray(rng.standard_normal((t, d_in)), jnp.float32)
-    a = jnp.asarray(rng.standard_normal((d_in, n, r)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((n, r, d_in)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((n, r, d_out)), jnp.float32)
     got = lora_expand(lora_shrink(x, a, gs, "highest"), b, gs, "highest")
     slots = slots_from_group_sizes(gs, t)
@@ -29,7 +29,7 @@ def test_grouped_equals_naive(seed):
 
 
 def test_shrink_is_jittable_with_traced_group_sizes():
-    x = jnp.ones((8, 4)); a = jnp.ones((4, 2, 3))
+    x = jnp.ones((8, 4)); a = jnp.ones((2, 3, 4))
     f = jax.jit(lora_shrink)
     assert np.asarray(f(x, a, jnp.array([5, 3], jnp.int32))).shape == (8, 3)
     np.testing.assert_allclose(f(x, a, jnp.array([5, 3], jnp.int32)), 4.0)

@@ -3,8 +3,9 @@
 The batch's tokens are laid out so that all tokens of adapter slot 0 come first, then slot 1, ...
 (`group_sizes[s]` tokens for slot `s`; the host orders requests by slot when it builds a batch).
 Each half of LoRA is one dense GEMM against all N slots side by side, with a one-hot mask of each
-token's slot: shrink x [T, d_in] @ A [d_in, N·R] then keep the token's own R columns; expand
-places xA in its slot's R columns of a [T, N·R] row and multiplies by B [N·R, d_out].
+token's slot: shrink x [T, d_in] @ A^T (A [N·R, d_in]) then keep the token's own R columns (the
+model appends A to its projection's weight, so this GEMM is the projection's); expand places xA
+in its slot's R columns of a [T, N·R] row and multiplies by B [N·R, d_out].
 
 Why not `jax.lax.ragged_dot` (the grouped GEMM): measured on the H200 (BENCHMARKS.md, "Grouped
 multi-LoRA matmul"), XLA's GPU lowering costs about N× the single-group time, slower than the
@@ -33,14 +34,23 @@ def _slot_mask(group_sizes, num_tokens: int, dtype):
 
 
 def lora_shrink(x, a, group_sizes, precision=None):
-    """x [T, d_in] · a [d_in, N, R] grouped by `group_sizes` [N] int32 -> xA [T, R] (x's dtype).
+    """x [T, d_in] · a [N, R, d_in] grouped by `group_sizes` [N] int32 -> xA [T, R] (x's dtype).
 
-    a is stored d_in-major so that it is the GEMM's [d_in, N·R] operand as it lies: stored
-    [N, d_in, R], XLA transposed every A on every step (2 µs each on the H200)."""
-    xa = jnp.einsum("td,dnr->tnr", x, a, precision=precision,
-                    preferred_element_type=jnp.float32)  # every slot's columns
-    mask = _slot_mask(group_sizes, x.shape[0], jnp.float32)
-    return jnp.einsum("tnr,tn->tr", xa, mask, precision=precision).astype(x.dtype)
+    a lies like a weight ([out, in] rows, N·R of them), so the model appends it to the base
+    weight's rows and gets xA from the projection's own GEMM (`LoRALinear`)."""
+    n, r, d_in = a.shape
+    xa = jax.lax.dot_general(x, a.reshape(n * r, d_in), (((1,), (1,)), ((), ())),
+                             precision=precision, preferred_element_type=jnp.float32)
+    return select_slots(xa.astype(x.dtype).reshape(-1, n, r), group_sizes)
+
+
+def select_slots(xa, group_sizes):
+    """xa [T, ..., N, R] (every slot's xA) -> [T, ..., R]: each token's own slot.
+
+    A one-hot sum in xa's dtype: one non-zero term, so exact (a dot would round f32 to TF32)."""
+    mask = _slot_mask(group_sizes, xa.shape[0], xa.dtype)
+    mask = mask.reshape(mask.shape[:1] + (1,) * (xa.ndim - 3) + mask.shape[1:] + (1,))
+    return jnp.sum(xa * mask, axis=-2)
 
 
 def lora_expand(xa, b, group_sizes, precision=None):
@@ -61,11 +71,11 @@ def slots_from_group_sizes(group_sizes, num_tokens: int):
 
 
 def lora_naive_reference(x, a, b, slots):
-    """x [T, d_in], a [d_in, N, R], b [N, R, d_out], slots [T] -> x A_s B_s [T, d_out] in float32.
+    """x [T, d_in], a [N, R, d_in], b [N, R, d_out], slots [T] -> x A_s B_s [T, d_out] in float32.
 
     Gathers a per-token [d_in, R] weight: the formulation the grouped one avoids. Tests only.
     """
-    a_tok = a.transpose(1, 0, 2)[slots].astype(jnp.float32)  # [T, d_in, R]
+    a_tok = a.transpose(0, 2, 1)[slots].astype(jnp.float32)  # [T, d_in, R]
     b_tok = b[slots].astype(jnp.float32)  # [T, R, d_out]
     xa = jnp.einsum("td,tdr->tr", x.astype(jnp.float32), a_tok, precision="highest")
     return jnp.einsum("tr,tro->to", xa, b_tok, precision="highest")

@@ -6,27 +6,41 @@ and zeros into the others, so a slot always holds exactly one adapter's function
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from forkjax.lora.peft import TARGETS, LoraAdapter
 
 BASE_SLOT = 0
+_HOLDER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
 def _projection(model, layer: int, module: str):
+    """The `LoRALinear` of decoder layer `layer` that holds HF projection `module`."""
     block = model.layers[layer]
-    return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else block.mlp, module)
+    return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj")
+                   else block.mlp, _HOLDER[module])
 
 
 def slot_rank(model) -> int:
     """R: the rank every slot is padded to."""
-    return model.layers[0].self_attn.k_proj.lora_a.get_value().shape[-1]
+    return _projection(model, 0, "k_proj").slots[1]
 
 
 def lora_modules(model) -> tuple[str, ...]:
     """The projections of `model` that carry LoRA slots."""
-    return tuple(m for m in TARGETS if _projection(model, 0, m).lora_a is not None)
+    return tuple(m for m in TARGETS if m in _projection(model, 0, m).lora)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(w, rows, start):
+    """w[start : start + len(rows)] = rows, in place (w [X, ...] donated: a stacked projection's
+    weight is up to a few hundred MB, and a copy per write would hold two models at once)."""
+    return jax.lax.dynamic_update_slice_in_dim(w, rows.astype(w.dtype), start, axis=0)
 
 
 def check_fits(model, adapter: LoraAdapter):
@@ -51,15 +65,16 @@ def write_slot(model, slot: int, adapter: LoraAdapter | None):
     for layer in range(len(model.layers)):
         for module in modules:
             proj = _projection(model, layer, module)
-            a_all, b_all = proj.lora_a.get_value(), proj.lora_b.get_value()
-            a = np.zeros((a_all.shape[0], a_all.shape[2]), np.float32)  # a_all [in, N, R]
-            b = np.zeros(b_all.shape[1:], np.float32)
+            w, b_all = proj.weight, proj.lora_b[module]
+            rank = proj.slots[1]
+            a = np.zeros((rank, w.get_value().shape[1]), np.float32)  # A^T: R rows of the weight
+            b = np.zeros((1,) + b_all.shape[1:], np.float32)
             if adapter is not None and (layer, module) in adapter.weights:
-                wa, wb = adapter.weights[(layer, module)]
-                a[:, :wa.shape[1]] = wa
-                b[:wb.shape[0], :] = wb
-            proj.lora_a.set_value(a_all.at[:, slot].set(jnp.asarray(a, a_all.dtype)))
-            proj.lora_b.set_value(b_all.at[slot].set(jnp.asarray(b, b_all.dtype)))
+                wa, wb = adapter.weights[(layer, module)]  # [in, r], [r, out]
+                a[:wa.shape[1]] = wa.T
+                b[0, :wb.shape[0]] = wb
+            w.set_value(_set_rows(w.get_value(), jnp.asarray(a), proj.a_rows(module, slot)))
+            b_all.set_value(_set_rows(b_all.get_value(), jnp.asarray(b), slot))
 
 
 class AdapterSlots:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from forkjax.lora.batched import lora_expand, lora_shrink
+from forkjax.lora.batched import lora_expand, select_slots
 
 # Contract x [..., in] with w [out, in] (HF layout) -> [..., out].
 _XW = (((1,), (1,)), ((), ()))
@@ -72,38 +72,61 @@ def apply_rope(x, cos, sin):
 
 
 class LoRALinear(nnx.Module):
-    """A projection with stacked multi-adapter LoRA weights.
+    """Projections that read the same input (q|k|v, gate|up, or a single one) as one GEMM, with
+    stacked multi-adapter LoRA weights.
 
-    `lora_a` [in, N, R] and `lora_b` [N, R, out] hold N adapter slots (slot 0 is the bare base
-    model and stays zero), ranks zero-padded to R, the LoRA scale folded into `lora_b`.
-    `__call__` returns the pair (xW + b, xA): K and V keep it (the cache stores the parts apart);
-    `merged` adds xA·B at once for the other projections. With `lora=False` (a projection no
-    adapter may target, see `lora_target_modules`) it is a plain linear layer: no slots, no work.
+    `weight` [O + L·N·R, in] holds the HF weights of `parts` (name -> out features, O in all)
+    stacked by rows, then the LoRA A's of the L parts that carry slots, as rows too (part l, slot
+    s: rows O + (l·N + s)·R ...): one GEMM gives every part's xW and every slot's xA. Stored
+    apart, each projection and each A was a kernel of its own (2-5 µs each per layer in a decode
+    step on the H200), and XLA ran gate and up as two GEMMs on 112 of the 132 SMs.
+    `lora_b[part]` [N, R, out] holds B (the LoRA scale folded in). Slot 0 is the bare base model
+    and stays zero; ranks are zero-padded to R. A part without slots (`lora` leaves it out: no
+    adapter may target it, see `lora_target_modules`) is a plain linear layer: no work.
     """
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, num_slots: int, rank: int, dtype,
-                 precision=None, lora: bool = True):
-        self.weight = nnx.Param(jnp.zeros((d_out, d_in), dtype))
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
-        self.lora_a = nnx.Param(jnp.zeros((d_in, num_slots, rank), dtype)) if lora else None
-        self.lora_b = nnx.Param(jnp.zeros((num_slots, rank, d_out), dtype)) if lora else None
+    def __init__(self, d_in: int, parts: dict[str, int], *, bias: bool, num_slots: int,
+                 rank: int, dtype, precision=None, lora: tuple[str, ...] = ()):
+        self.parts = tuple(parts.items())
+        self.lora = tuple(p for p in parts if p in lora)
+        self.out = sum(parts.values())
+        rows = self.out + len(self.lora) * num_slots * rank
+        self.weight = nnx.Param(jnp.zeros((rows, d_in), dtype))
+        self.bias = nnx.Param(jnp.zeros((self.out,), dtype)) if bias else None
+        self.lora_b = nnx.Dict({p: nnx.Param(jnp.zeros((num_slots, rank, parts[p]), dtype))
+                                for p in self.lora})
+        self.slots = (num_slots, rank)
         self.precision = precision
 
-    def base(self, x):
-        """x [T, in] -> xW + b [T, out]."""
-        return linear(x, self.weight[...], self.precision,
-                      None if self.bias is None else self.bias[...])
+    def a_rows(self, part: str, slot: int) -> int:
+        """First row of `part`'s A for `slot` in `weight` (R rows)."""
+        n, r = self.slots
+        return self.out + (self.lora.index(part) * n + slot) * r
 
-    def __call__(self, x, group_sizes):
-        """x [T, in], group_sizes [N] (tokens grouped by slot) -> (xW + b [T, out], xA [T, R])."""
-        return self.base(x), lora_shrink(x, self.lora_a[...], group_sizes, self.precision)
+    def __call__(self, x, group_sizes) -> dict:
+        """x [T, in], group_sizes [N] (tokens grouped by slot) -> {part: (xW + b [T, out],
+        xA [T, R] of the token's slot, or None for a part without slots)}."""
+        w = self.weight[...]
+        bias = None
+        if self.bias is not None:
+            bias = jnp.pad(self.bias[...], (0, w.shape[0] - self.out))  # no bias on the A rows
+        y = linear(x, w, self.precision, bias)
+        out, start = {}, 0
+        for name, size in self.parts:
+            out[name] = y[:, start:start + size]
+            start += size
+        xa = {}
+        if self.lora:
+            n, r = self.slots
+            xa_all = y[:, self.out:].reshape(x.shape[0], len(self.lora), n, r)
+            xa = dict(zip(self.lora, jnp.unstack(select_slots(xa_all, group_sizes), axis=1)))
+        return {name: (y_part, xa.get(name)) for name, y_part in out.items()}
 
-    def expand(self, xa, group_sizes):
-        """xA [T, R] -> xA·B [T, out]."""
-        return lora_expand(xa, self.lora_b[...], group_sizes, self.precision)
+    def expand(self, part: str, xa, group_sizes):
+        """xA [T, R] -> xA·B [T, out] of `part`."""
+        return lora_expand(xa, self.lora_b[part][...], group_sizes, self.precision)
 
-    def merged(self, x, group_sizes):
-        if self.lora_a is None:
-            return self.base(x)
-        y, xa = self(x, group_sizes)
-        return y + self.expand(xa, group_sizes)
+    def merged(self, x, group_sizes) -> list:
+        """x [T, in] -> [xW + b + xA·B [T, out] for each part] (LoRA applied at once)."""
+        return [y if xa is None else y + self.expand(name, xa, group_sizes)
+                for name, (y, xa) in self(x, group_sizes).items()]

@@ -2,7 +2,8 @@
 
 Every checkpoint tensor must be used and every model parameter set, or loading fails naming them:
 a silently half-loaded model is the worst outcome for parity. Parameters keep HF's `[out, in]`
-layout, so loading is a name lookup plus a dtype cast over memory-mapped files. There is no
+layout, so loading is a name lookup plus a dtype cast over memory-mapped files (and the row
+concatenation of the projections the model stores stacked, `FUSED`). There is no
 converted form, hence no conversion cache: a second load costs what the first did, the time to
 read the file (measured in BENCHMARKS.md). LoRA slots start at zero; `forkjax.lora` fills them.
 """
@@ -39,6 +40,39 @@ def hf_name(path: tuple) -> str:
     return "model." + name
 
 
+# Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _projection(cfg: ModelConfig, get: ParamSource, path: tuple, spec) -> jax.Array:
+    """A (stacked) projection's weight or bias from its HF parts; the LoRA A rows after them
+    (`LoRALinear`) start at zero."""
+    shapes = cfg.projection_shapes()
+    parts = []
+    for part in FUSED.get(path[-2], (path[-2],)):
+        d_in, d_out = shapes[part]
+        shape = (d_out, d_in) if path[-1] == "weight" else (d_out,)
+        parts.append(get(hf_name(path[:-2] + (part, path[-1])), shape, spec.dtype))
+    pad = spec.shape[0] - sum(p.shape[0] for p in parts)
+    if pad:
+        parts.append(jnp.zeros((pad,) + spec.shape[1:], spec.dtype))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """HF tensor name -> shape of every tensor a checkpoint of `cfg` holds (the inverse of the
+    mapping `build_model` applies)."""
+    shapes = {}
+
+    def note(name, shape, dtype):
+        shapes[name] = tuple(shape)
+        return jnp.zeros(shape, dtype)
+
+    jax.eval_shape(lambda: nnx.state(build_model(cfg, note, num_slots=1, rank=1,
+                                                  dtype=jnp.bfloat16)))
+    return shapes
+
+
 def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
                 progress: bool = False, lora_targets=LORA_TARGETS) -> CausalLM:
     """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
@@ -51,8 +85,10 @@ def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int
         spec = var.get_value()
         if path == ("inv_freq",):
             value = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        elif path[-1] in ("lora_a", "lora_b"):
+        elif "lora_b" in path:
             value = jnp.zeros(spec.shape, spec.dtype)
+        elif path[-1] in ("weight", "bias") and path[-2].endswith("_proj"):
+            value = _projection(cfg, get, path, spec)
         else:
             value = get(hf_name(path), spec.shape, spec.dtype)
         flat.append((path, var.replace(value)))
@@ -109,7 +145,7 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
             return get(name, shape, dt)
         except KeyError:
             missing.append(name)
-            return jnp.zeros((), dt)
+            return jnp.zeros(shape, dt)
 
     model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
                         lora_targets=lora_targets, progress=progress)

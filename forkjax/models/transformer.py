@@ -1,8 +1,10 @@
 """Llama and Qwen2 decoder-only models (Flax NNX) with stacked multi-LoRA projections.
 
 One module serves both families: Qwen2 is Llama with q/k/v biases (and usually tied embeddings).
-Attribute names mirror HF's parameter names (`layers.3.self_attn.k_proj.weight`), so the loader
-maps a checkpoint by name.
+Attribute names follow HF's parameter names (`layers.3.self_attn.o_proj.weight`), except that
+projections reading the same input are stored stacked as vLLM does (`qkv_proj` = q|k|v,
+`gate_up_proj` = gate|up: one GEMM each, see `LoRALinear`); the loader maps a checkpoint by name
+(`forkjax.models.loader.FUSED`).
 
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives K and V as (base, residual) pairs: the dense
@@ -42,36 +44,39 @@ AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
-        d, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = LoRALinear(d, cfg.q_size, bias=bias, lora="q_proj" in targets, **lora)
-        self.k_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
-        self.v_proj = LoRALinear(d, cfg.kv_size, bias=bias, **lora)
-        self.o_proj = LoRALinear(cfg.q_size, d, bias=False, lora="o_proj" in targets, **lora)
+        d, kv = cfg.hidden_size, cfg.kv_size
+        self.qkv_proj = LoRALinear(d, {"q_proj": cfg.q_size, "k_proj": kv, "v_proj": kv},
+                                   bias=cfg.attention_bias, lora=targets, **lora)
+        self.o_proj = LoRALinear(cfg.q_size, {"o_proj": d}, bias=False, lora=targets, **lora)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
         hq, hkv, hd = self.heads
         t, gs = x.shape[0], batch.group_sizes
         cos, sin = rope
-        q = apply_rope(self.q_proj.merged(x, gs).reshape(t, hq, hd), cos, sin)
-        kb, kr = self.k_proj(x, gs)
-        vb, vr = self.v_proj(x, gs)
+        proj = self.qkv_proj(x, gs)
+        q, qa = proj["q_proj"]
+        if qa is not None:
+            q = q + self.qkv_proj.expand("q_proj", qa, gs)
+        (kb, kr), (vb, vr) = proj["k_proj"], proj["v_proj"]
+        q = apply_rope(q.reshape(t, hq, hd), cos, sin)
         kb = apply_rope(kb.reshape(t, hkv, hd), cos, sin)
+        b = self.qkv_proj.lora_b
         out, state = attn_fn(layer, q, (kb, kr), (vb.reshape(t, hkv, hd), vr),
-                             self.k_proj.lora_b[...], self.v_proj.lora_b[...], rope, batch, state)
-        return self.o_proj.merged(out.reshape(t, hq * hd), gs), state
+                             b["k_proj"][...], b["v_proj"][...], rope, batch, state)
+        return self.o_proj.merged(out.reshape(t, hq * hd), gs)[0], state
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = LoRALinear(d, f, bias=False, lora="gate_proj" in targets, **lora)
-        self.up_proj = LoRALinear(d, f, bias=False, lora="up_proj" in targets, **lora)
-        self.down_proj = LoRALinear(f, d, bias=False, lora="down_proj" in targets, **lora)
+        self.gate_up_proj = LoRALinear(d, {"gate_proj": f, "up_proj": f}, bias=False,
+                                       lora=targets, **lora)
+        self.down_proj = LoRALinear(f, {"down_proj": d}, bias=False, lora=targets, **lora)
 
     def __call__(self, x, gs):
-        h = jax.nn.silu(self.gate_proj.merged(x, gs)) * self.up_proj.merged(x, gs)
-        return self.down_proj.merged(h, gs)
+        gate, up = self.gate_up_proj.merged(x, gs)
+        return self.down_proj.merged(jax.nn.silu(gate) * up, gs)[0]
 
 
 class DecoderLayer(nnx.Module):
@@ -98,7 +103,7 @@ class CausalLM(nnx.Module):
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         self.precision = precision
         lora = dict(num_slots=num_slots, rank=rank, precision=precision,
-                    targets=tuple(lora_targets))
+                    targets=tuple(lora_targets) + ALWAYS_LORA)
         self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, dtype, **lora) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -426,12 +426,15 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
+    # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
     if residual:  # O^T, O_r^T (R rows of 64 are rV's) -> O, O_r; B_v once, after the combine
-        o, o_r = o.swapaxes(-1, -2), rest[0][..., :R, :].swapaxes(-1, -2)
+        o, o_r = o[..., :G].swapaxes(-1, -2), rest[0][..., :R, :G].swapaxes(-1, -2)
         bv = b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B,Hkv,R,D]
-    o = combine_splits(o, ml[:, :, :, 0], ml[:, :, :, 1], o_r, bv)
-    return o[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
+    else:
+        o = o[..., :G, :]
+    o = combine_splits(o, ml[:, :, :, 0, :G], ml[:, :, :, 1, :G], o_r, bv)
+    return o.reshape(B, Hq, D).astype(q.dtype)
 
 
 def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:

@@ -1,0 +1,75 @@
+"""Decode-shaped projections on the GPU: separate vs fused weights (a diagnostic for issue 5).
+
+    PYTHONPATH=. python3 scripts/diag_decode_gemms.py --out $OUT
+
+At the Llama-3-8B shapes (d 4096, q 4096, kv 1024, ffn 14336), bf16, M = 1, 16, 64 tokens: the
+time of one layer's projections as the engine runs them (q, k, v, gate, up separately) against
+the same weights stored fused (q|k|v, gate|up), with and without LoRA A's (N·R = 128 columns per
+target) appended as extra output rows. Eight layers of distinct weights per call, so that no
+weight is served from L2. CUPTI kernel time per layer and achieved TB/s. Not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from bench_kernels import time_ms  # scripts/ is on sys.path when this script runs
+
+D, Q, KV, F, NR = 4096, 4096, 1024, 14336, 128
+LAYERS = 8
+XW = (((1,), (1,)), ((), ()))
+
+
+def dot(x, w):  # x [M, in], w [out, in] -> [M, out], as forkjax.models.layers.linear
+    return jax.lax.dot_general(x, w, XW, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def weights(shapes, seed):
+    keys = jax.random.split(jax.random.key(seed), LAYERS * len(shapes))
+    return [[jax.random.normal(keys[i * len(shapes) + j], s, jnp.bfloat16) * 0.02
+             for j, s in enumerate(shapes)] for i in range(LAYERS)]
+
+
+CASES = {  # name -> (weight shapes of one layer, input width)
+    "qkv separate": ([(Q, D), (KV, D), (KV, D)], D),
+    "qkv fused": ([(Q + 2 * KV, D)], D),
+    "qkv + A fused": ([(Q + 2 * KV + 3 * NR, D)], D),
+    "q,k,v + 3 A separate": ([(Q, D), (KV, D), (KV, D), (NR, D), (NR, D), (NR, D)], D),
+    "gate, up separate": ([(F, D), (F, D)], D),
+    "gate|up fused": ([(2 * F, D)], D),
+    "down": ([(D, F)], F),
+    "o": ([(D, Q)], Q),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="diag_out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for seed, (name, (shapes, d_in)) in enumerate(CASES.items()):
+        ws = weights(shapes, seed)
+        nbytes = sum(w.nbytes for w in ws[0])
+        for m in (1, 16, 64):
+            x = jax.random.normal(jax.random.key(99), (m, d_in), jnp.bfloat16)
+            f = jax.jit(lambda x, ws: [[dot(x, w) for w in layer] for layer in ws],
+                        compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+            ms, how = time_ms(f, (x, ws))
+            us = ms * 1e3 / LAYERS
+            row = dict(case=name, m=m, us_per_layer=round(us, 2), mb=round(nbytes / 1e6, 1),
+                       tbps=round(nbytes / (us * 1e-6) / 1e12, 2), timing=how)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del ws
+    with open(os.path.join(args.out, "diag_decode_gemms.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
