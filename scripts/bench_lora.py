@@ -60,7 +60,7 @@ class _flag:
 
 @jax.jit
 def onehot(x, a, b, gs):
-    return lora_expand(lora_shrink(x, a, gs), b, gs)
+    return lora_expand(lora_shrink(x, a, gs), b)
 
 
 def main():
@@ -80,7 +80,7 @@ def main():
                 gs = jnp.full((n,), t // n, jnp.int32)
                 row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out, device=jax.devices()[0].device_kind,
                            base_us=bench(base, x, w), grouped_us=bench(grouped, x, a, b, gs),
-                           onehot_us=bench(onehot, x, a.transpose(1, 0, 2), b, gs))  # [d_in, N, R]
+                           onehot_us=bench(onehot, x, a.transpose(0, 2, 1), b, gs))  # [N, R, d_in]
                 if jax.default_backend() == "gpu":
                     row["grouped_pallas_us"] = bench(grouped_pallas, x, a, b, gs)
                 rows.append(row)

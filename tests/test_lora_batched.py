@@ -19,7 +19,7 @@ def test_grouped_equals_naive(seed):
     x = jnp.asarray(rng.standard_normal((t, d_in)), jnp.float32)
     a = jnp.asarray(rng.standard_normal((n, r, d_in)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((n, r, d_out)), jnp.float32)
-    got = lora_expand(lora_shrink(x, a, gs, "highest"), b, gs, "highest")
+    got = lora_expand(lora_shrink(x, a, gs, "highest"), b, "highest")
     slots = slots_from_group_sizes(gs, t)
     valid = int(sizes.sum())
     np.testing.assert_array_equal(np.asarray(slots[:valid]), np.repeat(np.arange(n), sizes))
@@ -31,5 +31,9 @@ def test_grouped_equals_naive(seed):
 def test_shrink_is_jittable_with_traced_group_sizes():
     x = jnp.ones((8, 4)); a = jnp.ones((2, 3, 4))
     f = jax.jit(lora_shrink)
-    assert np.asarray(f(x, a, jnp.array([5, 3], jnp.int32))).shape == (8, 3)
-    np.testing.assert_allclose(f(x, a, jnp.array([5, 3], jnp.int32)), 4.0)
+    assert np.asarray(f(x, a, jnp.array([5, 3], jnp.int32))).shape == (8, 2, 3)
+    rows = np.asarray(f(x, a, jnp.array([5, 3], jnp.int32)))
+    np.testing.assert_allclose(rows[:5, 0], 4.0)  # tokens 0-4 in slot 0, 5-7 in slot 1
+    np.testing.assert_allclose(rows[5:, 1], 4.0)
+    np.testing.assert_array_equal(rows[:5, 1], 0)
+    np.testing.assert_array_equal(rows[5:, 0], 0)

@@ -3,9 +3,9 @@
 The batch's tokens are laid out so that all tokens of adapter slot 0 come first, then slot 1, ...
 (`group_sizes[s]` tokens for slot `s`; the host orders requests by slot when it builds a batch).
 Each half of LoRA is one dense GEMM against all N slots side by side, with a one-hot mask of each
-token's slot: shrink x [T, d_in] @ A^T (A [N·R, d_in]) then keep the token's own R columns (the
-model appends A to its projection's weight, so this GEMM is the projection's); expand places xA
-in its slot's R columns of a [T, N·R] row and multiplies by B [N·R, d_out].
+token's slot: shrink x [T, d_in] @ A^T (A [N·R, d_in]; the model appends A to its projection's
+weight, so this GEMM is the projection's) and zero all but the token's own R columns; expand
+multiplies that [T, N·R] row by B [N·R, d_out].
 
 Why not `jax.lax.ragged_dot` (the grouped GEMM): measured on the H200 (BENCHMARKS.md, "Grouped
 multi-LoRA matmul"), XLA's GPU lowering costs about N× the single-group time, slower than the
@@ -34,32 +34,35 @@ def _slot_mask(group_sizes, num_tokens: int, dtype):
 
 
 def lora_shrink(x, a, group_sizes, precision=None):
-    """x [T, d_in] · a [N, R, d_in] grouped by `group_sizes` [N] int32 -> xA [T, R] (x's dtype).
+    """x [T, d_in] · a [N, R, d_in] grouped by `group_sizes` [N] int32 -> slot rows [T, N, R].
 
     a lies like a weight ([out, in] rows, N·R of them), so the model appends it to the base
     weight's rows and gets xA from the projection's own GEMM (`LoRALinear`)."""
     n, r, d_in = a.shape
     xa = jax.lax.dot_general(x, a.reshape(n * r, d_in), (((1,), (1,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32)
-    return select_slots(xa.astype(x.dtype).reshape(-1, n, r), group_sizes)
+    return slot_rows(xa.astype(x.dtype).reshape(-1, n, r), group_sizes)
 
 
-def select_slots(xa, group_sizes):
-    """xa [T, ..., N, R] (every slot's xA) -> [T, ..., R]: each token's own slot.
+def slot_rows(xa, group_sizes):
+    """xa [T, ..., N, R] (every slot's xA) -> the same with zeros outside each token's own slot:
+    the rows `lora_expand` multiplies by all N B's at once. `own_slot` reads xA [T, ..., R] back.
 
-    A one-hot sum in xa's dtype: one non-zero term, so exact (a dot would round f32 to TF32)."""
+    A one-hot product in xa's dtype: exact (a dot with the mask would round f32 to TF32)."""
     mask = _slot_mask(group_sizes, xa.shape[0], xa.dtype)
-    mask = mask.reshape(mask.shape[:1] + (1,) * (xa.ndim - 3) + mask.shape[1:] + (1,))
-    return jnp.sum(xa * mask, axis=-2)
+    return xa * mask.reshape(mask.shape[:1] + (1,) * (xa.ndim - 3) + mask.shape[1:] + (1,))
 
 
-def lora_expand(xa, b, group_sizes, precision=None):
-    """xa [T, R] · b [N, R, d_out] (LoRA scale folded in) -> [T, d_out] (xa's dtype)."""
+def own_slot(rows):
+    """Slot rows [T, ..., N, R] -> xA [T, ..., R] of each token's slot (one non-zero term)."""
+    return jnp.sum(rows, axis=-2)
+
+
+def lora_expand(rows, b, precision=None):
+    """Slot rows [T, N, R] · b [N, R, d_out] (LoRA scale folded in) -> [T, d_out] (rows' dtype)."""
     n, r, d_out = b.shape
-    mask = _slot_mask(group_sizes, xa.shape[0], xa.dtype)
-    rows = (mask[:, :, None] * xa[:, None, :]).reshape(-1, n * r)  # xa in its slot's columns
-    return jnp.dot(rows, b.reshape(n * r, d_out), precision=precision,
-                   preferred_element_type=jnp.float32).astype(xa.dtype)
+    return jnp.dot(rows.reshape(-1, n * r), b.reshape(n * r, d_out), precision=precision,
+                   preferred_element_type=jnp.float32).astype(rows.dtype)
 
 
 def slots_from_group_sizes(group_sizes, num_tokens: int):

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from forkjax.lora.batched import lora_expand
+from forkjax.lora.batched import lora_expand, slot_rows
 from forkjax.models.layers import apply_rope
 
 
@@ -25,8 +25,10 @@ def merge_kv(k, v, b_k, b_v, rope, group_sizes, precision=None):
     """(base [T,Hkv,D], res [T,R]) pairs -> full K (RoPE) and V, each [T, Hkv, D]."""
     (kb, kr), (vb, vr) = k, v
     t, hkv, hd = kb.shape
-    k_lora = lora_expand(kr, b_k, group_sizes, precision).reshape(t, hkv, hd)
-    v_lora = lora_expand(vr, b_v, group_sizes, precision).reshape(t, hkv, hd)
+    # kr[:, None] [T, 1, R]: slot_rows broadcasts it over the N slots
+    k_lora = lora_expand(slot_rows(kr[:, None], group_sizes), b_k, precision)
+    v_lora = lora_expand(slot_rows(vr[:, None], group_sizes), b_v, precision)
+    k_lora, v_lora = k_lora.reshape(t, hkv, hd), v_lora.reshape(t, hkv, hd)
     return kb + apply_rope(k_lora, *rope), vb + v_lora
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from forkjax.lora.batched import lora_expand, select_slots
+from forkjax.lora.batched import lora_expand, slot_rows
 
 # Contract x [..., in] with w [out, in] (HF layout) -> [..., out].
 _XW = (((1,), (1,)), ((), ()))
@@ -105,7 +105,8 @@ class LoRALinear(nnx.Module):
 
     def __call__(self, x, group_sizes) -> dict:
         """x [T, in], group_sizes [N] (tokens grouped by slot) -> {part: (xW + b [T, out],
-        xA [T, R] of the token's slot, or None for a part without slots)}."""
+        slot rows [T, N, R] (xA in the token's slot, zeros in the others: `forkjax.lora.batched`)
+        or None for a part without slots)}."""
         w = self.weight[...]
         bias = None
         if self.bias is not None:
@@ -119,14 +120,14 @@ class LoRALinear(nnx.Module):
         if self.lora:
             n, r = self.slots
             xa_all = y[:, self.out:].reshape(x.shape[0], len(self.lora), n, r)
-            xa = dict(zip(self.lora, jnp.unstack(select_slots(xa_all, group_sizes), axis=1)))
+            xa = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
         return {name: (y_part, xa.get(name)) for name, y_part in out.items()}
 
-    def expand(self, part: str, xa, group_sizes):
-        """xA [T, R] -> xA·B [T, out] of `part`."""
-        return lora_expand(xa, self.lora_b[part][...], group_sizes, self.precision)
+    def expand(self, part: str, rows):
+        """Slot rows [T, N, R] -> xA·B [T, out] of `part`."""
+        return lora_expand(rows, self.lora_b[part][...], self.precision)
 
     def merged(self, x, group_sizes) -> list:
         """x [T, in] -> [xW + b + xA·B [T, out] for each part] (LoRA applied at once)."""
-        return [y if xa is None else y + self.expand(name, xa, group_sizes)
-                for name, (y, xa) in self(x, group_sizes).items()]
+        return [y if rows is None else y + self.expand(name, rows)
+                for name, (y, rows) in self(x, group_sizes).items()]

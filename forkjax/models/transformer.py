@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from forkjax.config import ModelConfig
+from forkjax.lora.batched import own_slot
 from forkjax.models.layers import LoRALinear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -55,10 +56,11 @@ class Attention(nnx.Module):
         t, gs = x.shape[0], batch.group_sizes
         cos, sin = rope
         proj = self.qkv_proj(x, gs)
-        q, qa = proj["q_proj"]
-        if qa is not None:
-            q = q + self.qkv_proj.expand("q_proj", qa, gs)
-        (kb, kr), (vb, vr) = proj["k_proj"], proj["v_proj"]
+        q, q_rows = proj["q_proj"]
+        if q_rows is not None:
+            q = q + self.qkv_proj.expand("q_proj", q_rows)
+        (kb, k_rows), (vb, v_rows) = proj["k_proj"], proj["v_proj"]
+        kr, vr = own_slot(k_rows), own_slot(v_rows)
         q = apply_rope(q.reshape(t, hq, hd), cos, sin)
         kb = apply_rope(kb.reshape(t, hkv, hd), cos, sin)
         b = self.qkv_proj.lora_b
