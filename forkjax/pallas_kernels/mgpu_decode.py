@@ -311,9 +311,9 @@ def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, n_q, dt):
     B, Hq, D = q.shape
     G, R, h = Hq // Hkv, b_k.shape[1], D // 2
     qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
-    bk = b_k.astype(jnp.float32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]
-    q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv, G|R, D/2]
-    prod = functools.partial(jnp.einsum, "bhgj,bhrj->bhjgr")
+    bk = b_k[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D], as gathered
+    q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv|R, G|Hkv, D/2]
+    prod = functools.partial(jnp.einsum, "bhgj,brhj->bhjgr")
     w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
     w = w.reshape(B, Hkv, D, G * R)
     e_t = jnp.arange(G * R)[:, None] // R == jnp.arange(n_q)[None, :]
@@ -430,7 +430,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     o_r = bv = None
     if residual:  # O^T, O_r^T (R rows of 64 are rV's) -> O, O_r; B_v once, after the combine
         o, o_r = o[..., :G].swapaxes(-1, -2), rest[0][..., :R, :G].swapaxes(-1, -2)
-        bv = b_v.astype(f32).transpose(0, 2, 1, 3)[adapter_ids.astype(jnp.int32)]  # [B,Hkv,R,D]
+        bv = b_v[adapter_ids.astype(jnp.int32)].astype(f32)  # [B, R, Hkv, D]
     else:
         o = o[..., :G, :]
     o = combine_splits(o, ml[:, :, :, 0, :G], ml[:, :, :, 1, :G], o_r, bv)

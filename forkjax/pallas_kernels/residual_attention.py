@@ -390,7 +390,7 @@ def _paged_attention(
         aid = adapter_ids.astype(jnp.int32)
         # B_v [B, Hkv, R, D]: applied after the split combine, outside the kernel (in the
         # kernel this one small dot set the register count, and so the occupancy, of the loop).
-        bv_sel = b_v.transpose(0, 2, 1, 3)[aid].astype(jnp.float32)
+        bv_sel = b_v[aid].astype(jnp.float32)  # [B, R, Hkv, D]
         # Each request's B_k rotate-half column halves [B, Hkv, rp, hp] (a gather of a few KB),
         # query halves and RoPE tables for the in-loop reconstruction.
         bk = b_k.transpose(0, 2, 1, 3)[aid]  # [B, Hkv, R, D]
@@ -480,7 +480,7 @@ def combine_splits(o, m, l, o_r=None, b_v=None):
     """Flash-decoding combine of split-K partials -> normalised float32 [B, Hkv, rows, D].
 
     o [B, KS, Hkv, rows, D], m / l [B, KS, Hkv, rows] (running max in base 2, unnormalised sum);
-    for ResidualAttention also o_r [B, KS, Hkv, rows, R] and each request's B_v [B, Hkv, R, D],
+    for ResidualAttention also o_r [B, KS, Hkv, rows, R] and each request's B_v [B, R, Hkv, D],
     applied once, to the combined accumulator. Rows no split saw (l = 0) come out as 0.
     """
     if o.shape[1] == 1:  # one split (large batches): nothing to rescale
@@ -498,12 +498,13 @@ def combine_splits(o, m, l, o_r=None, b_v=None):
 
 
 def _apply_b_v(o_r, b_v):
-    """o_r [B, Hkv, rows, R] @ b_v [B, Hkv, R, D] in float32 as R broadcast multiply-adds: all
-    element-wise, so XLA fuses it with the combine and its transposes (as a batched dot it was a
-    GEMM kernel of its own, 3.6 µs of every layer of a B=64 decode step on the H200)."""
-    out = o_r[..., 0, None] * b_v[:, :, None, 0]
+    """o_r [B, Hkv, rows, R] @ b_v [B, R, Hkv, D] (each request's, as gathered) in float32 as R
+    broadcast multiply-adds: all element-wise, so XLA fuses it with the combine and the gather
+    (as a batched dot it was a GEMM kernel of its own, 3.6 µs of every layer of a B=64 decode
+    step on the H200, and B_v was transposed by a kernel of its own)."""
+    out = o_r[..., 0, None] * b_v[:, 0, :, None]
     for r in range(1, o_r.shape[-1]):
-        out = out + o_r[..., r, None] * b_v[:, :, None, r]
+        out = out + o_r[..., r, None] * b_v[:, r, :, None]
     return out
 
 
