@@ -116,12 +116,12 @@ class LoRALinear(nnx.Module):
         for name, size in self.parts:
             out[name] = y[:, start:start + size]
             start += size
-        xa = {}
+        rows = {}
         if self.lora:
             n, r = self.slots
             xa_all = y[:, self.out:].reshape(x.shape[0], len(self.lora), n, r)
-            xa = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
-        return {name: (y_part, xa.get(name)) for name, y_part in out.items()}
+            rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
+        return {name: (y_part, rows.get(name)) for name, y_part in out.items()}
 
     def expand(self, part: str, rows):
         """Slot rows [T, N, R] -> xA·B [T, out] of `part`."""

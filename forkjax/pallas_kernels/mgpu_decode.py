@@ -23,12 +23,13 @@ product with rK repeated G times along columns (U), and the consumer sums over r
 score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
 8k positions) stays in L2 and W is computed per call by XLA.
 
-Status (H200, BENCHMARKS.md "Mosaic GPU residual decode, transposed consumer"): B=32, L=8k
-residual ~358-362 us (70-71% of copy) against the Triton residual kernel's ~420 us and Triton
-unified ~256-261 us; B=64, L=2k ~206-210 us against 237. The engine's residual decode uses it
+Status (H200, BENCHMARKS.md "Mosaic GPU residual decode", seventh and ninth sessions): B=32,
+L=8k residual ~351 us a call (72% of copy) against the Triton residual kernel's ~416 us and
+Triton unified ~260 us; B=64, L=2k ~199 us against 228. The engine's residual decode uses it
 where `supports` says so. A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed
 what bound the untransposed version: the attention warpgroup never waited, the producer and the
-K-LoRA warpgroup waited for it.
+K-LoRA warpgroup waited for it. Tried and slower: a 4th K/V stage (the residual inputs in a ring
+of their own), the consumer awaiting the next block during its P V product.
 
 Layout (the Triton split-K partials, so the combine is the same, transposed for residual):
   q      [B, Hkv, NQ, D]         the G query heads of KV head h in rows 0..G-1, zero rows after

@@ -501,7 +501,7 @@ def _apply_b_v(o_r, b_v):
     """o_r [B, Hkv, rows, R] @ b_v [B, R, Hkv, D] (each request's, as gathered) in float32 as R
     broadcast multiply-adds: all element-wise, so XLA fuses it with the combine and the gather
     (as a batched dot it was a GEMM kernel of its own, 3.6 µs of every layer of a B=64 decode
-    step on the H200, and B_v was transposed by a kernel of its own)."""
+    step on the H200)."""
     out = o_r[..., 0, None] * b_v[:, 0, :, None]
     for r in range(1, o_r.shape[-1]):
         out = out + o_r[..., r, None] * b_v[:, r, :, None]
