@@ -413,6 +413,27 @@ def run_split_sweep(base, bw, results):
         for B, L, splits in points for method in ("residual", "unified")}
 
 
+def run_breakdown(base, results):
+    """Per-kernel CUPTI times of one decode call (median over calls): the attention kernel
+    against the XLA work around it (padding, the K-LoRA operands, the combine)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    results["breakdown"] = {}
+    for B, L in ((2, 512),) if SMOKE else ((32, 8192), (64, 2048)):
+        d = make_decode(B, L, n_sets_for(B, L))
+        for method in ("mgpu_residual", "unified"):
+            f = jax.jit(decode_fns(dict(base), dict(base))[method])
+            _, runs = profiler.measure(f, aggregate=False, iterations=7)(d)
+            per_kernel = [(name, statistics.median(run[k][1] for run in runs) * 1e3)
+                          for k, (name, _) in enumerate(runs[0])]
+            results["breakdown"][f"{method} B={B} L={L}"] = per_kernel
+            log(f"breakdown {method} B={B} L={L}: total "
+                f"{sum(us for _, us in per_kernel):.1f} us per call of {d['bpt'].shape[0]} set(s)")
+            for name, us in sorted(per_kernel, key=lambda t: -t[1]):
+                log(f"  {us:8.1f} us  {name[:80]}")
+        del d
+
+
 def run_mgpu_sweep(base, bw, results):
     """Mosaic GPU decode kernels over (stages, consumers, k_splits), Triton defaults beside."""
     points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
@@ -440,6 +461,8 @@ def main():
                     help="only time decode over k_splits (B=32 L=8k, B=64 L=2k)")
     ap.add_argument("--mgpu", action="store_true",
                     help="only time the Mosaic GPU decode kernels (B=32 L=8k, B=64 L=2k)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only per-kernel CUPTI times of one decode call (GPU; B=32 L=8k, B=64 L=2k)")
     ap.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU check)")
     args = ap.parse_args()
     global SMOKE
@@ -471,6 +494,10 @@ def main():
     cfg_res, cfg_uni = dict(base), dict(base)
     cfg_res_ext, cfg_uni_ext = dict(base), dict(base)
     B0, L0, LX, TX = (2, 512, 256, 64) if SMOKE else (32, 8192, 8192, 2048)
+    if args.breakdown:
+        run_breakdown(base, results)
+        save()
+        return
     if args.split_sweep or args.mgpu:
         (run_mgpu_sweep if args.mgpu else run_split_sweep)(base, bw, results)
         save()
