@@ -1,0 +1,47 @@
+"""Adapter slots in the stacked projections: each write lands in its own A rows and B slot only,
+the base rows never change, and unloading zeroes the slot (against numpy copies of the weights)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from forkjax.config import ModelConfig
+from forkjax.lora.peft import TARGETS
+from forkjax.lora.slots import _projection, lora_modules, slot_rank, write_slot
+from forkjax.models.builtin import BUILTIN_CONFIGS, load_builtin, random_adapter
+
+
+def _arrays(model):
+    """{(layer, module): (numpy copy of its stacked weight, of its B slots)}."""
+    return {(i, m): (np.asarray(_projection(model, i, m).weight[...]),
+                     np.asarray(_projection(model, i, m).lora_b[m][...]))
+            for i in range(len(model.layers)) for m in TARGETS}
+
+
+def test_write_slot_touches_only_its_rows():
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-qwen2"])
+    r = 8
+    _, model = load_builtin("tiny-qwen2", num_slots=4, rank=r, dtype=jnp.float32)
+    assert lora_modules(model) == TARGETS and slot_rank(model) == r
+    before = _arrays(model)
+    written = {1: random_adapter("one", cfg, 8, 16, TARGETS, seed=1),
+               3: random_adapter("two", cfg, 4, 8, ("q_proj", "v_proj", "up_proj"), seed=2)}
+    for slot, adapter in written.items():
+        write_slot(model, slot, adapter)
+    for (i, module), (w, b) in _arrays(model).items():
+        proj = _projection(model, i, module)
+        for slot in range(4):
+            start = proj.a_rows(module, slot)
+            want_a = np.zeros((r, w.shape[1]), np.float32)  # slots 0 and 2 stay zero
+            want_b = np.zeros(b.shape[1:], np.float32)
+            if slot in written and (i, module) in written[slot].weights:
+                wa, wb = written[slot].weights[(i, module)]
+                want_a[:wa.shape[1]] = wa.T
+                want_b[:wb.shape[0]] = wb
+            np.testing.assert_array_equal(w[start:start + r], want_a)
+            np.testing.assert_array_equal(b[slot], want_b)
+        np.testing.assert_array_equal(w[:proj.out], before[(i, module)][0][:proj.out])  # base
+    for slot in written:
+        write_slot(model, slot, None)
+    for key, (w, b) in _arrays(model).items():  # unloaded: as loaded
+        np.testing.assert_array_equal(w, before[key][0])
+        np.testing.assert_array_equal(b, before[key][1])
