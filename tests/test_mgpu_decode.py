@@ -24,7 +24,7 @@ _CHILD = "FORKJAX_MGPU_TEST_CHILD"
 # xdist worker. So a hang is told by CPU time, not wall time (slow is not hung): under 1 s of CPU
 # in 30 s. A case takes 10-40 s alone.
 STALL_S, STALL_CPU_S, POLL_S = 30, 1.0, 2
-TRIES = 4
+TRIES = 8  # at 1 hang in 16, eight in a row: ~2e-10
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -65,9 +65,11 @@ def isolated(test):
     Our reading: blocked callbacks hold threads of XLA's CPU intra-op pool (2 here). Without
     the pool (`--xla_cpu_multi_thread_eigen=false`, given to the child only: the rest of the
     suite runs slower with it) 4 of 5 runs passed, in 45-54 s instead of ~3.5 min; the fifth
-    still hung, and a fresh-clone suite once saw one case hang twice in a row. So a hang costs
-    a child process, not the suite; a failure in the child fails the test, and so do TRIES
-    hangs."""
+    still hung, and a fresh-clone suite once saw one case hang twice in a row, another one case
+    four times. The executions also queue on the CPU client's dispatch threads: run inline
+    (`JAX_CPU_ENABLE_ASYNC_DISPATCH=false`, the child only), that case hung in 1 of 16 runs of
+    its child alone (23-28 s each otherwise), against 2 of 6 without. So a hang costs a child
+    process, not the suite; a failure in the child fails the test, and so do TRIES hangs."""
     if not INTERPRET or os.environ.get(_CHILD):
         return test
 
@@ -75,8 +77,9 @@ def isolated(test):
     def run(*args, **kwargs):
         node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
-        env = {**os.environ, _CHILD: "1", "XLA_FLAGS": (
-            os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()}
+        env = {**os.environ, _CHILD: "1", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
+               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_multi_thread_eigen=false").strip()}
         for _ in range(TRIES):
             result = _run_child(cmd, env)
             if result is not None:
