@@ -22,7 +22,7 @@ from forkjax.cache.adapters import adapter_fingerprint
 from forkjax.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -63,7 +63,7 @@ def _targets_of(cfg: dict, path: str) -> set[str]:
             return {tm}
         # PEFT treats a string as a regex over full module names.
         pattern = re.compile(tm)
-        names = {t for t in TARGETS if pattern.fullmatch(f"model.layers.0.{_BLOCK[t]}.{t}")}
+        names = {t for t in TARGETS if pattern.fullmatch(f"model.layers.0.{BLOCK[t]}.{t}")}
         if not names:
             raise _config_error(path, "target_modules", tm, "matches no supported projection")
         return names
@@ -137,7 +137,7 @@ def adapter_from_tensors(name, tensors: dict[str, np.ndarray], r: int, scaling: 
             raise ValueError(f"adapter {name!r}: tensor {key} is not a supported LoRA weight "
                              "(only lora_A/lora_B of decoder projections)")
         layer, block, module, ab = int(m[1]), m[2], m[3], m[4]
-        if module not in TARGETS or _BLOCK[module] != block:
+        if module not in TARGETS or BLOCK[module] != block:
             raise ValueError(f"adapter {name!r}: tensor {key}: module {block}.{module} is not supported")
         if module not in targets:
             raise ValueError(f"adapter {name!r}: tensor {key} targets {module}, which "

@@ -12,18 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.lora.peft import TARGETS, LoraAdapter
+from forkjax.lora.peft import BLOCK, TARGETS, LoraAdapter
+from forkjax.models.transformer import STACKED
 
 BASE_SLOT = 0
-_HOLDER = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
 def _projection(model, layer: int, module: str):
     """The `LoRALinear` of decoder layer `layer` that holds HF projection `module`."""
-    block = model.layers[layer]
-    return getattr(block.self_attn if module in ("q_proj", "k_proj", "v_proj", "o_proj")
-                   else block.mlp, _HOLDER[module])
+    holder = next((name for name, parts in STACKED.items() if module in parts), module)
+    return getattr(getattr(model.layers[layer], BLOCK[module]), holder)
 
 
 def slot_rank(model) -> int:

@@ -3,7 +3,7 @@
 Every checkpoint tensor must be used and every model parameter set, or loading fails naming them:
 a silently half-loaded model is the worst outcome for parity. Parameters keep HF's `[out, in]`
 layout, so loading is a name lookup plus a dtype cast over memory-mapped files (and the row
-concatenation of the projections the model stores stacked, `FUSED`). There is no
+concatenation of the projections the model stores stacked). There is no
 converted form, hence no conversion cache: a second load costs what the first did, the time to
 read the file (measured in BENCHMARKS.md). LoRA slots start at zero; `forkjax.lora` fills them.
 """
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from forkjax.config import ModelConfig
 from forkjax.models.layers import rope_inv_freq
-from forkjax.models.transformer import LORA_TARGETS, CausalLM
+from forkjax.models.transformer import LORA_TARGETS, STACKED, CausalLM
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -40,16 +40,12 @@ def hf_name(path: tuple) -> str:
     return "model." + name
 
 
-# Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 def _projection(cfg: ModelConfig, get: ParamSource, path: tuple, spec) -> jax.Array:
     """A (stacked) projection's weight or bias from its HF parts; the LoRA A rows after them
     (`LoRALinear`) start at zero."""
     shapes = cfg.projection_shapes()
     parts = []
-    for part in FUSED.get(path[-2], (path[-2],)):
+    for part in STACKED.get(path[-2], (path[-2],)):
         d_in, d_out = shapes[part]
         shape = (d_out, d_in) if path[-1] == "weight" else (d_out,)
         parts.append(get(hf_name(path[:-2] + (part, path[-1])), shape, spec.dtype))

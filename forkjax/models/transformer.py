@@ -3,8 +3,8 @@
 One module serves both families: Qwen2 is Llama with q/k/v biases (and usually tied embeddings).
 Attribute names follow HF's parameter names (`layers.3.self_attn.o_proj.weight`), except that
 projections reading the same input are stored stacked as vLLM does (`qkv_proj` = q|k|v,
-`gate_up_proj` = gate|up: one GEMM each, see `LoRALinear`); the loader maps a checkpoint by name
-(`forkjax.models.loader.FUSED`).
+`gate_up_proj` = gate|up: one GEMM each, see `LoRALinear`, `STACKED`); the loader maps a
+checkpoint by name.
 
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives K and V as (base, residual) pairs: the dense
@@ -25,6 +25,9 @@ from forkjax.lora.batched import own_slot
 from forkjax.models.layers import LoRALinear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order; the others
+# hold one projection under its own name.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # The cache stores xA of k and v as the residual: those two always carry LoRA slots.
 ALWAYS_LORA = ("k_proj", "v_proj")
 

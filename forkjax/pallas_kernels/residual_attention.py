@@ -388,7 +388,7 @@ def _paged_attention(
         rpool_spec = pl.BlockSpec(vr.shape, lambda h, i, j, b: (0,) * vr.ndim)
         rpt = pad_axis(res_pages.astype(jnp.int32), 1, m_pad)
         aid = adapter_ids.astype(jnp.int32)
-        # B_v [B, Hkv, R, D]: applied after the split combine, outside the kernel (in the
+        # Each request's B_v: applied after the split combine, outside the kernel (in the
         # kernel this one small dot set the register count, and so the occupancy, of the loop).
         bv_sel = b_v[aid].astype(jnp.float32)  # [B, R, Hkv, D]
         # Each request's B_k rotate-half column halves [B, Hkv, rp, hp] (a gather of a few KB),
