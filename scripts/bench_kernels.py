@@ -2,7 +2,9 @@
 
     PYTHONPATH=. python3 scripts/bench_kernels.py --out OUT_DIR [--sweep] [--quick]
 
-Decode: ResidualAttention (forkkv), the unified path (prefix / full_reuse), jax's
+Decode: ResidualAttention (forkkv; `residual_attention_decode` as called, i.e. the Mosaic GPU
+kernel where it supports the shape, and its Triton kernel beside it), the unified path (prefix /
+full_reuse), jax's
 `pallas.ops.gpu.paged_attention` on the same unified cache, and a naive path that rebuilds the
 merged K/V in HBM and then attends. Extend: 2k new tokens over 0 / 8k / 32k cached tokens.
 Ceilings measured in the same run: device copy bandwidth and a bf16 matmul rate.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -205,6 +208,8 @@ def decode_fns(cfg_res, cfg_uni):
         return outs
 
     return {"residual": residual_with(residual_attention_decode),
+            "triton_residual": residual_with(functools.partial(residual_attention_decode,
+                                                               kernel="triton")),
             "unified": unified_with(unified_attention_decode), "jax_paged": jax_paged,
             "naive": naive, "mgpu_residual": residual_with(mgpu_residual_decode),
             "mgpu_unified": unified_with(mgpu_unified_decode)}
@@ -228,7 +233,7 @@ def bench_decode_point(B, L, methods, cfg_res, cfg_uni, peak_bw):
             f = jax.jit(fns[name])
             ms, how = time_ms(f, (d,), iters=10)
             ms /= n_sets
-            nbytes = decode_bytes(B, L, name in ("residual", "naive"))
+            nbytes = decode_bytes(B, L, name in ("residual", "triton_residual", "naive"))
             row[name] = {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12,
                          "frac_copy": nbytes / (ms * 1e-3) / peak_bw, "timer": how}
         except Exception as e:  # noqa: BLE001
@@ -240,7 +245,7 @@ def bench_decode_point(B, L, methods, cfg_res, cfg_uni, peak_bw):
 
 def fmt_decode(row):
     parts = [f"B={row['B']:4d} L={row['L']:6d}"]
-    for k in ("residual", "unified", "jax_paged", "naive"):
+    for k in ("residual", "triton_residual", "unified", "jax_paged", "naive"):
         v = row.get(k)
         if v is None:
             continue
@@ -447,7 +452,7 @@ def run_mgpu_sweep(base, bw, results):
                 for s in (("k_lora",), ("rv",), ("k_lora", "rv"))]}
     results["sweep_mgpu"] = {}
     for B, L in points:
-        for method in ("unified", "mgpu_unified", "residual", "mgpu_residual"):
+        for method in ("unified", "mgpu_unified", "triton_residual", "mgpu_residual"):
             cfgs = grids.get(method, [dict(base)])
             results["sweep_mgpu"][f"{method} B={B} L={L}"] = sweep_decode(B, L, cfgs, method, bw)
 
@@ -515,7 +520,8 @@ def main():
                                                           for l in (1024, 8192, 32768)]
     results["decode"] = []
     for B, L in points:
-        row = bench_decode_point(B, L, ("residual", "unified", "jax_paged", "naive"),
+        row = bench_decode_point(B, L, ("residual", "triton_residual", "unified", "jax_paged",
+                                        "naive"),
                                  {k: v for k, v in cfg_res.items() if k != "k_splits"},
                                  {k: v for k, v in cfg_uni.items()
                                   if k not in ("k_splits", "reconstruct_k")},

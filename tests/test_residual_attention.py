@@ -367,7 +367,7 @@ def test_kernels_lower_for_cuda(kernel):
     fn, args, kw = {
         "residual_decode": (residual_attention_decode, (
             c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages, *res,
-            jnp.asarray(c.prefix + 1), *lora), {}),
+            jnp.asarray(c.prefix + 1), *lora), {"kernel": "triton"}),  # (else Mosaic on a GPU)
         "unified_decode": (unified_attention_decode, (
             c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1)), {}),
         "residual_extend": (residual_attention_extend, (

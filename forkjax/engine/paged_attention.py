@@ -4,9 +4,7 @@ Per layer: scatter the step's new K/V into the pools (only slots the cache marke
 rest go to the sink page), then attend over the pools through the page tables, so attention
 always reads K/V from the cache after the write. Residual policies store (xW, xA) apart and
 attend with ResidualAttention; `prefix` / `full_reuse` store merged K/V and attend with the
-unified kernel. On the CPU the plain-jnp references stand in for the Pallas kernels. On the GPU,
-residual decode takes the Mosaic GPU kernel where it supports the shape (faster than the Triton
-one: BENCHMARKS.md).
+unified kernel. On the CPU the plain-jnp references stand in for the Pallas kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import jax
 
 from forkjax import pallas_kernels as pk
 from forkjax.cache import write_kv
-from forkjax.pallas_kernels import mgpu_decode
 from forkjax.models.attention import merge_kv
 
 
@@ -54,14 +51,9 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
     if kind == "decode":
         lengths = m.prefix_lengths + 1
         if residual:
-            decode = ops["res_decode"]
-            if use_pallas and jax.default_backend() == "gpu" and mgpu_decode.supports(
-                    hq, hkv, hd, pools.base_k.shape[-2], pools.res_k.shape[-1],
-                    pools.base_k.dtype):
-                decode = mgpu_decode.mgpu_residual_decode
-            out = decode(q, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
-                         m.res_pages, lengths, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer,
-                         **extra)
+            out = ops["res_decode"](q, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
+                                    m.base_pages, m.res_pages, lengths, b_k4, b_v4,
+                                    m.adapter_ids, inv_freq, layer=layer, **extra)
         else:
             out = ops["uni_decode"](q, pools.base_k, pools.base_v, m.base_pages, lengths,
                                     layer=layer, **extra)

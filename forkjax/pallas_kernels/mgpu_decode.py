@@ -11,7 +11,10 @@ the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgr
               each writes its own split-K partial, B_v is applied once after the combine (as
               in the Triton kernel). Unified: S = Q K^T, O += P V. Residual, transposed so the
               G query heads (padded to 16) are wgmma's N instead of 64 padded M rows:
-              S^T = K Q^T + U E^T, O^T += V^T P^T, O_r^T += rV^T P^T.
+              S^T = K Q^T + U E^T, O^T += V^T P^T, O_r^T += rV^T P^T. Transposed, the
+              softmax's sums over keys run across the 4 warps (shared memory and two
+              warpgroup barriers each): the denominator is left to the O_r^T wgmma instead,
+              as row R of O_r^T, with column R of every rV slot set to ones (-7% a call).
 
 K-LoRA scores without rebuilding K. For query head g and a key t at position p, with rotate-half
 halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
@@ -23,13 +26,14 @@ product with rK repeated G times along columns (U), and the consumer sums over r
 score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
 8k positions) stays in L2 and W is computed per call by XLA.
 
-Status (H200, BENCHMARKS.md "Mosaic GPU residual decode", seventh and ninth sessions): B=32,
-L=8k residual ~351 us a call (72% of copy) against the Triton residual kernel's ~416 us and
-Triton unified ~260 us; B=64, L=2k ~199 us against 228. The engine's residual decode uses it
-where `supports` says so. A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed
-what bound the untransposed version: the attention warpgroup never waited, the producer and the
-K-LoRA warpgroup waited for it. Tried and slower: a 4th K/V stage (the residual inputs in a ring
-of their own), the consumer awaiting the next block during its P V product.
+Status (H200, BENCHMARKS.md "Mosaic GPU residual decode", tenth session): B=32, L=8k residual
+~322 us a call (the kernel 305) against the Triton unified kernel's ~256 and the Triton residual
+kernel's ~416; B=64, L=2k ~189. The engine's residual decode uses it where `supports` says so.
+A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed what bound the
+untransposed version: the attention warpgroup never waited, the producer and the K-LoRA
+warpgroup waited for it. Tried and slower (BENCHMARKS.md): a 4th K/V stage (the residual inputs
+in a ring of their own), the consumer awaiting the next block during its P V product, the cos |
+sin table built in the K-LoRA warpgroup (from block starts and offsets) instead of streamed.
 
 Layout (the Triton split-K partials, so the combine is the same, transposed for residual):
   q      [B, Hkv, NQ, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
@@ -38,7 +42,8 @@ Layout (the Triton split-K partials, so the combine is the same, transposed for 
                                  (added) when the caller passes one layer
   pages  [B, Mp] int32           Mp a multiple of 4; entries past a sequence are valid page ids
   out    o [B, KS*C, Hkv, 64, D], ml [B, KS*C, Hkv, 2, 64], float32; residual:
-         o^T [.., D, NQ], ml [.., 2, NQ], o_r^T [.., 64, NQ] (rows R.. unused)
+         o^T [.., D, NQ], ml [.., 2, NQ] (l unused), o_r^T [.., 64, NQ] (row R: l; rows R+1..
+         unused)
 Split ks takes key blocks ks, ks + KS, ...; consumer c of a split every C-th of those.
 Ring slots are used round-robin, so with stages a multiple of C each consumer owns fixed slots
 and observes every phase of their barriers (Mosaic GPU tracks barrier phases per waiter).
@@ -190,6 +195,11 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         def _k_lora():  # U = (tab @ W) * [rK, .., rK]: the K-LoRA scores, not yet summed over r
             _set_registers(k_regs, n_wg)
             plgpu.copy_gmem_to_smem(w_ref.at[b, h], w_smem, const_bar)
+            if "rv" not in skip:  # column R of every rV slot is ones: row R of O_r^T sums P,
+                r = vr_smem.shape[-1]  # the softmax denominator (the copies below fill 0..R-1)
+                ones = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, 16), 1, layout=WGMMA) == 0
+                for st in range(stages):
+                    rvp_smem[st, :, pl.ds(r, 16)] = ones.astype(rvp_smem.dtype)
             plgpu.barrier_wait(const_bar)
 
             @pl.loop(0, steps)
@@ -198,7 +208,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 with jax.named_scope("kl_wait_r"):
                     plgpu.barrier_wait(r_ready.at[slot])
                 # rV into the first R columns of a 64-wide slot: rV^T is a wgmma's M operand
-                # (64 rows) in O_r^T = rV^T P^T; the rows past R are never read back
+                # (64 rows) in O_r^T = rV^T P^T; rows past R (the ones above) are not rV
                 rvp_smem[slot, :, pl.ds(0, vr_smem.shape[-1])] = vr_smem[slot]
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_ready.at[slot])
@@ -242,6 +252,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         m = plgpu.layout_cast(jnp.full((n_q,), MASK_VALUE, jnp.float32), WGMMA.reduce(1 - ax))
         l = plgpu.layout_cast(jnp.zeros((n_q,), jnp.float32), WGMMA.reduce(1 - ax))
         vs = (v_smem, rvp_smem) if residual and "rv" not in skip else (v_smem,)
+        sum_p = len(vs) == 1  # else the O_r^T product sums P (rV's column R is ones)
         o_shapes = [(ref.shape[-1], n_q) if residual else (n_q, d) for ref in vs]
         o = tuple(plgpu.layout_cast(jnp.zeros(x, jnp.float32), WGMMA) for x in o_shapes)
 
@@ -273,7 +284,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             m_new = jnp.maximum(m, s.max(axis=1 - ax))
             alpha = jnp.exp2(m - m_new)
             p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [ax]))
-            l = l * alpha + p_.sum(axis=1 - ax)
+            if sum_p:  # (across warpgroups when residual: a shared-memory reduction)
+                l = l * alpha + p_.sum(axis=1 - ax)
             p_smem[c] = p_.astype(p_smem.dtype)
             with jax.named_scope("c_wait_v"):
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -435,12 +447,15 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     o, ml, *rest = kernel(*args)
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
+    l = ml[:, :, :, 1, :G]
     if residual:  # O^T, O_r^T (R rows of 64 are rV's) -> O, O_r; B_v once, after the combine
         o, o_r = o[..., :G].swapaxes(-1, -2), rest[0][..., :R, :G].swapaxes(-1, -2)
         bv = b_v[adapter_ids.astype(jnp.int32)].astype(f32)  # [B, R, Hkv, D]
+        if "rv" not in skip:
+            l = rest[0][..., R, :G]  # row R of O_r^T: P summed by its wgmma
     else:
         o = o[..., :G, :]
-    o = combine_splits(o, ml[:, :, :, 0, :G], ml[:, :, :, 1, :G], o_r, bv)
+    o = combine_splits(o, ml[:, :, :, 0, :G], l, o_r, bv)
     return o.reshape(B, Hq, D).astype(q.dtype)
 
 
