@@ -1,6 +1,7 @@
 """Decode-shaped projections on the GPU: separate vs fused weights (a diagnostic for issue 5).
 
-    PYTHONPATH=. python3 scripts/diag_decode_gemms.py --out $OUT
+    PYTHONPATH=. python3 scripts/diag_decode_gemms.py --out $OUT [--m 64] [--cases o,down]
+        [--options '{"xla_gpu_enable_triton_gemm": false}']   # extra XLA compiler options
 
 At the Llama-3-8B shapes (d 4096, q 4096, kv 1024, ffn 14336), bf16, M = 1, 16, 64 tokens: the
 time of one layer's projections as the engine runs them (q, k, v, gate, up separately) against
@@ -50,19 +51,26 @@ CASES = {  # name -> (weight shapes of one layer, input width)
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="diag_out")
+    ap.add_argument("--m", default="1,16,64", help="token counts")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--options", default="{}", help="JSON dict of XLA compiler options")
     args = ap.parse_args()
+    options = {"xla_gpu_dot_merger_threshold_mb": 0, **json.loads(args.options)}
+    cases = args.cases.split(",") if args.cases else list(CASES)
     os.makedirs(args.out, exist_ok=True)
     results = []
     for seed, (name, (shapes, d_in)) in enumerate(CASES.items()):
+        if name not in cases:
+            continue
         ws = weights(shapes, seed)
         nbytes = sum(w.nbytes for w in ws[0])
-        for m in (1, 16, 64):
+        for m in map(int, args.m.split(",")):
             x = jax.random.normal(jax.random.key(99), (m, d_in), jnp.bfloat16)
             f = jax.jit(lambda x, ws: [[dot(x, w) for w in layer] for layer in ws],
-                        compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+                        compiler_options=options)
             ms, how = time_ms(f, (x, ws))
             us = ms * 1e3 / LAYERS
-            row = dict(case=name, m=m, us_per_layer=round(us, 2), mb=round(nbytes / 1e6, 1),
+            row = dict(case=name, m=m, options=args.options, us_per_layer=round(us, 2), mb=round(nbytes / 1e6, 1),
                        tbps=round(nbytes / (us * 1e-6) / 1e12, 2), timing=how)
             print(json.dumps(row), flush=True)
             results.append(row)
