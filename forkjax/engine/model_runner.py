@@ -68,16 +68,8 @@ class HashOnce:
                                  and self.value == other.value)
 
 
-# XLA's dot merger concatenates the weights of projections that share an input (k, v and the
-# LoRA A's) into one matrix to run one GEMM: the weights are arguments, so that concatenation ran
-# on every step (13 µs a layer at B=64 on the H200, plus transposes); off, the step was 13.60
-# against 13.90 ms.
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3,
-                   static_argnames=("kind", "all_logits", "residual", "use_pallas"),
-                   compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
-def _step(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
-          prev_tokens, *, kind: str, all_logits: bool, residual: bool,
-          use_pallas: bool):
+def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
+             prev_tokens, *, kind: str, all_logits: bool, residual: bool, use_pallas: bool):
     """One forward of a bucketed batch; the pools are donated and come back updated.
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
@@ -92,6 +84,22 @@ def _step(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: 
     logits = model.logits(h) if all_logits else None
     rows = logits[inputs.sample_rows] if all_logits else model.logits(h[inputs.sample_rows])
     return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits), pools
+
+
+_JIT = dict(static_argnums=(0, 1), donate_argnums=3,
+            static_argnames=("kind", "all_logits", "residual", "use_pallas"))
+# XLA's dot merger concatenates the weights of projections that share an input (k, v and the
+# LoRA A's) into one matrix to run one GEMM: the weights are arguments, so that concatenation ran
+# on every step (13 µs a layer at B=64 on the H200, plus transposes); off, the step was 13.60
+# against 13.90 ms.
+_step = jax.jit(_forward, **_JIT, compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+# From 64 tokens a step's GEMMs go to cuBLAS instead of XLA's autotuned Triton GEMMs, whose picks
+# were slower from HBM there (H200, M=64: q|k|v 23.3 against 18.3 µs a layer, o 17.3 against
+# 14.2; the B=64 decode step 11.23-11.31 against 11.39-11.56 ms). Below, cuBLAS was far slower:
+# B=1 19.9 against 5.6 ms, B=16 7.24 against 6.79 (BENCHMARKS.md, tenth session).
+CUBLAS_FROM_TOKENS = 64
+_step_cublas = jax.jit(_forward, **_JIT, compiler_options={
+    "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False})
 
 
 def _pad_to(tokens, size: int):
@@ -194,7 +202,8 @@ class ModelRunner:
 
     def _call(self, kind, all_logits, inputs, key):
         self._note_shape(key)
-        return _step(self.graphdef, self.state_def, self.state_leaves, self.pools, inputs,
+        step = _step_cublas if inputs.tokens.shape[0] >= CUBLAS_FROM_TOKENS else _step
+        return step(self.graphdef, self.state_def, self.state_leaves, self.pools, inputs,
                      self.prev_tokens, kind=kind, all_logits=all_logits, residual=self.residual,
                      use_pallas=self.use_pallas)
 
