@@ -219,6 +219,12 @@ def test_decode_odd_head_dim():
     assert err < 1e-3, err
 
 
+def test_decode_rejects_unknown_kernel():
+    c = decode_case(2, [5], dtype=np.float32)
+    with pytest.raises(ValueError, match="kernel must be"):
+        run_decode(c, kernel="cuda")
+
+
 def test_decode_rope_far_from_zero():
     """Positions around 30k, peaked softmax: an error in the deferred RoPE shows up here."""
     c = decode_case(3, [30037], hkv=1, group=4, s=32, lora_scale=2.0, dtype=np.float32,

@@ -284,7 +284,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             m_new = jnp.maximum(m, s.max(axis=1 - ax))
             alpha = jnp.exp2(m - m_new)
             p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [ax]))
-            if sum_p:  # (across warpgroups when residual: a shared-memory reduction)
+            if sum_p:  # (residual: across the 4 warps, through shared memory)
                 l = l * alpha + p_.sum(axis=1 - ax)
             p_smem[c] = p_.astype(p_smem.dtype)
             with jax.named_scope("c_wait_v"):

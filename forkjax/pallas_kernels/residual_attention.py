@@ -544,14 +544,14 @@ def residual_attention_decode(
     num_stages=None,
     reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    kernel=None,  # "triton", "mosaic" (mgpu_decode.py), None: Mosaic where it is faster
+    kernel=None,  # "triton", "mosaic" (mgpu_decode.py) or None (see below)
 ):
     """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3).
 
-    On the GPU the Mosaic GPU kernel (warp-specialised, 1.26x the unified path at B=32, L=8k
-    against the Triton kernel's 1.6x: BENCHMARKS.md) serves the shapes it supports unless
-    Triton tuning arguments are given; interpreted (CPU) the Triton kernel runs (its
-    interpreter is the reliable one)."""
+    kernel=None: on the GPU the Mosaic GPU kernel (warp-specialised; 1.24x the unified path at
+    B=32, L=8k against the Triton kernel's 1.6x, BENCHMARKS.md) serves the shapes it supports
+    (`mgpu_decode.supports`) unless Triton tuning arguments are given; otherwise, and
+    interpreted, the Triton kernel (its interpreter is the reliable one)."""
     from forkjax.pallas_kernels import mgpu_decode  # (it imports this module)
 
     lengths = lengths.astype(jnp.int32)
@@ -562,6 +562,8 @@ def residual_attention_decode(
             not interpret and not tuned and jax.default_backend() == "gpu"
             and mgpu_decode.supports(q.shape[1], hkv, d, page, k_res.shape[-1], k_base.dtype)
         ) else "triton"
+    if kernel not in ("triton", "mosaic"):
+        raise ValueError(f"kernel must be 'triton', 'mosaic' or None, not {kernel!r}")
     if kernel == "mosaic":
         return mgpu_decode.mgpu_residual_decode(
             q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k, b_v,
