@@ -70,8 +70,8 @@ def main():
                         compiler_options=options)
             ms, how = time_ms(f, (x, ws))
             us = ms * 1e3 / LAYERS
-            row = dict(case=name, m=m, options=args.options, us_per_layer=round(us, 2), mb=round(nbytes / 1e6, 1),
-                       tbps=round(nbytes / (us * 1e-6) / 1e12, 2), timing=how)
+            row = dict(case=name, m=m, options=args.options, us_per_layer=round(us, 2),
+                       mb=round(nbytes / 1e6, 1), tbps=round(nbytes / (us * 1e-6) / 1e12, 2), timing=how)
             print(json.dumps(row), flush=True)
             results.append(row)
         del ws

@@ -92,14 +92,15 @@ _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
 # LoRA A's) into one matrix to run one GEMM: the weights are arguments, so that concatenation ran
 # on every step (13 µs a layer at B=64 on the H200, plus transposes); off, the step was 13.60
 # against 13.90 ms.
-_step = jax.jit(_forward, **_JIT, compiler_options={"xla_gpu_dot_merger_threshold_mb": 0})
+_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+_step = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
 # From 64 tokens a step's GEMMs go to cuBLAS instead of XLA's autotuned Triton GEMMs, whose picks
 # were slower from HBM there (H200, M=64: q|k|v 23.3 against 18.3 µs a layer, o 17.3 against
 # 14.2; the B=64 decode step 11.23-11.31 against 11.39-11.56 ms). Below, cuBLAS was far slower:
 # B=1 19.9 against 5.6 ms, B=16 7.24 against 6.79 (BENCHMARKS.md, tenth session).
 CUBLAS_FROM_TOKENS = 64
-_step_cublas = jax.jit(_forward, **_JIT, compiler_options={
-    "xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False})
+_step_cublas = jax.jit(_forward, **_JIT,
+                       compiler_options={**_OPTIONS, "xla_gpu_enable_triton_gemm": False})
 
 
 def _pad_to(tokens, size: int):
