@@ -38,7 +38,7 @@ from forkjax.pallas_kernels import (
     unified_attention_decode,
     unified_attention_extend,
 )
-from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode, mgpu_unified_decode
+from forkjax.pallas_kernels.mgpu_decode import SMS, mgpu_residual_decode, mgpu_unified_decode
 from forkjax.pallas_kernels.rope import rope_tables_full
 
 HQ, HKV, D, S, R = 32, 8, 128, 16, 16
@@ -445,9 +445,12 @@ def run_mgpu_sweep(base, bw, results):
     grids = {"mgpu_unified": [dict(base, stages=st, consumers=c, k_splits=1)
                               for st, c in ((3, 1), (4, 2))],
              # shared memory allows 3 stages with one attention warpgroup, 2 with two (Llama-3-8B
-             # shape); then leave-one-out (outputs wrong on purpose): what each part costs
+             # shape); fewer CTAs than items (each runs several in turn); then leave-one-out
+             # (outputs wrong on purpose): what each part costs
              "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
                                for st, c, ks in ((3, 1, 1), (3, 1, 2), (2, 1, 1), (2, 2, 1))]
+             + [dict(base, stages=st, consumers=1, k_splits=1, ctas=SMS)
+                for st in (3, 2)]
              + [dict(base, stages=3, consumers=1, k_splits=1, skip=s)
                 for s in (("k_lora",), ("rv",), ("k_lora", "rv"))]}
     results["sweep_mgpu"] = {}

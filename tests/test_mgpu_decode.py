@@ -113,15 +113,17 @@ def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, lay
     assert err < 2e-2, err
 
 
-@pytest.mark.parametrize("lengths,group,d,r,k_splits,stages,consumers,layers", [
-    ([1, 37, 130, 64], 4, 64, 16, None, 2, 2, False),  # k_splits None: 3, one per key block
-    ([200, 16, 513], 8, 128, 16, 1, 2, 1, True),
-    ([700, 90], 1, 128, 32, 3, 3, 1, False),
+@pytest.mark.parametrize("lengths,group,d,r,k_splits,stages,consumers,layers,ctas", [
+    ([1, 37, 130, 64], 4, 64, 16, None, 2, 2, False, None),  # k_splits None: 3, one per block
+    ([200, 16, 513], 8, 128, 16, 1, 2, 1, True, 4),
+    ([700, 90], 1, 128, 32, 3, 3, 1, False, None),
+    ([700, 90, 1], 4, 64, 16, 3, 3, 1, False, 5),
 ])
 @isolated
-def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers, layers):
+def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers, layers, ctas):
     """Mixed adapters (one v-only), NaN-poisoned unused slots and pages, bf16; splits that get
-    no key block (k_splits None here gives 3 for the 64-long and 1-long sequences too)."""
+    no key block (k_splits None here gives 3 for the 64-long and 1-long sequences too); fewer
+    CTAs than items, so CTAs run items of different lengths in turn over one ring."""
     c = decode_case(22, lengths, group=group, d=d, r=r, dtype=jnp.bfloat16)
     pools = (c.k_base, c.v_base, c.k_res, c.v_res)
     if layers:
@@ -130,7 +132,7 @@ def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers,
         c.q[:, 0], *pools, jnp.asarray(c.base_pages), jnp.asarray(c.res_pages),
         jnp.asarray(c.prefix + 1), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
         jnp.asarray(c.inv_freq), layer=1 if layers else None, k_splits=k_splits, stages=stages,
-        consumers=consumers, interpret=INTERPRET)
+        consumers=consumers, ctas=ctas, interpret=INTERPRET)
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 2e-2, err
 
@@ -149,16 +151,27 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
             consumers=consumers, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("residual,stages,consumers", [
-    (False, 4, 2), (False, 3, 1), (True, 3, 1), (True, 2, 2),
+def test_mgpu_fewer_ctas_than_items_needs_one_consumer():
+    """Two consumers own alternate ring slots of one item: items in turn would shift them."""
+    c = decode_case(23, [20, 90], group=4, d=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="consumers=1"):
+        mgpu_unified_decode(c.q[:, 0], c.k_base, c.v_base, jnp.asarray(c.base_pages),
+                            jnp.asarray(c.prefix + 1), ctas=2, stages=2, consumers=2,
+                            interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("residual,stages,consumers,ctas", [
+    (False, 4, 2, None), (False, 3, 1, None), (True, 3, 1, None), (True, 2, 2, None),
+    (True, 3, 1, 5),
 ])
-def test_mgpu_lowers_for_cuda(residual, stages, consumers):
+def test_mgpu_lowers_for_cuda(residual, stages, consumers, ctas):
     """Mosaic GPU lowering (layout inference, wgmma operand tilings, TMA shapes) runs on the CPU
     when lowering for CUDA: the errors the interpreter cannot see, at the Llama-3-8B shape."""
     c = decode_case(24, [300, 70], hkv=8, group=4, d=128, r=16, dtype=jnp.bfloat16)
     pages = (jnp.asarray(c.base_pages),)
     if residual:
-        fn = functools.partial(mgpu_residual_decode, stages=stages, consumers=consumers)
+        fn = functools.partial(mgpu_residual_decode, stages=stages, consumers=consumers,
+                               ctas=ctas)
         args = (c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages,
                 jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
                 jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))

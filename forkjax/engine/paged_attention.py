@@ -16,6 +16,7 @@ import jax
 from forkjax import pallas_kernels as pk
 from forkjax.cache import write_kv
 from forkjax.models.attention import merge_kv
+from forkjax.pallas_kernels import kv_write
 
 
 @jax.tree_util.register_dataclass
@@ -36,12 +37,13 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
     m = batch.attn
     t, hq, hd = q.shape
     hkv = k[0].shape[1]
+    write = _kv_writer(use_pallas, pools)
     if residual:
         (kb, kr), (vb, vr) = k, v
-        pools = write_kv(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
+        pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
     else:
         keys, values = merge_kv(k, v, b_k, b_v, rope, batch.group_sizes, precision)
-        pools = write_kv(pools, layer, m.base_slots, m.res_slots, keys, values)
+        pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
     nb = m.prefix_lengths.shape[0]
@@ -67,6 +69,15 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
         out = ops["uni_extend"](q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths,
                                 m.chunk_lengths, layer=layer, **extra)
     return out.reshape(t, hq, hd), pools
+
+
+def _kv_writer(use_pallas: bool, pools):
+    """XLA's scatters (`write_kv`, one per pool), or on a GPU with $FORKJAX_KV_WRITE=mosaic one
+    Mosaic GPU kernel for all of them (kv_write.py; an A/B knob until timed)."""
+    if use_pallas and jax.default_backend() == "gpu" and kv_write.selected() \
+            and kv_write.supports(pools):
+        return kv_write.kv_write
+    return write_kv
 
 
 _KERNELS = dict(res_decode=pk.residual_attention_decode, res_extend=pk.residual_attention_extend,

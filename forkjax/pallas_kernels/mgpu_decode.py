@@ -48,6 +48,12 @@ Layout (the Triton split-K partials, so the combine is the same, transposed for 
 Split ks takes key blocks ks, ks + KS, ...; consumer c of a split every C-th of those.
 Ring slots are used round-robin, so with stages a multiple of C each consumer owns fixed slots
 and observes every phase of their barriers (Mosaic GPU tracks barrier phases per waiter).
+An item is one (batch row, KV head, split). By default each CTA runs one; with `ctas` fewer than
+the items (one consumer only), CTA c runs items c, c + ctas, ... in turn, every warpgroup
+counting ring steps across them, so the producer streams the next item's first blocks while
+the consumer finishes the last one's. Meant for many short items (B=64, L=2k: 512 items of 32
+blocks, one CTA an SM, each paying the ring's fill and its output stores); not yet timed on
+the GPU, so not the default.
 
 P goes through shared memory into its wgmma and accumulators are scoped refs: the only forms
 the CPU interpreter runs in jax 0.11.2 (scripts/diag_mosaic_gpu.py), so CI tests this kernel.
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -117,8 +124,8 @@ def _register_split(consumers: int, residual: bool) -> tuple[int, int]:
     return min(240, (budget - k_regs) // consumers // 8 * 8), k_regs
 
 
-def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: int, stages: int,
-            consumers: int, scale: float, residual: bool, skip: tuple):
+def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: int, n_ctas: int,
+            stages: int, consumers: int, scale: float, residual: bool, skip: tuple):
     if residual:
         (kr_ref, vr_ref, rpt_ref, w_ref, e_ref, tab_ref, o_ref, ml_ref, or_ref,
          q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free, v_free,
@@ -127,63 +134,87 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     else:
         (o_ref, ml_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free,
          v_free) = rest
-    b, h, ks = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("ks")
-    wg = lax.axis_index("wg")
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    hkv = o_ref.shape[2]
+    n_items = len_ref.shape[0] * hkv * k_splits
+    n_mine = pl.cdiv(n_items - cta, n_ctas)  # this CTA's items: cta, cta + n_ctas, ...
     ppb = BLOCK_K // PAGE
     n_blocks = pt_ref.shape[1] // ppb
     d = q_smem.shape[-1]
-    length = len_ref[b]
     layer = layer_ref[0]
-    steps = pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
     n_wg = consumers + 1 + residual
     c_regs, k_regs = _register_split(consumers, residual)
 
-    def block_of(i):  # the key block of this split's i-th step
+    def item(j):
+        """(b, h, split, tokens, key blocks) of this CTA's j-th item. Every warpgroup walks the
+        same items, counting ring steps across them, so ring slots and barrier phases agree."""
+        x = cta + j * n_ctas
+        b, h, ks = x // (hkv * k_splits), x // k_splits % hkv, x % k_splits
+        length = len_ref[b]
+        return b, h, ks, length, pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
+
+    def over_items(body):
+        """body(item(j), g) for each item, g its first ring step -> ring steps in all."""
+        def run(j, g):
+            it = item(j)
+            body(it, g)
+            return g + it[4]
+        if n_ctas == n_items:  # one item a CTA: no loop around it (the kernel as it was)
+            return run(0, jnp.int32(0))
+        return lax.fori_loop(0, n_mine, run, jnp.int32(0))
+
+    def block_of(ks, i):  # the key block of split ks's i-th step
         return ks + i * k_splits
 
     @pl.when(wg == consumers + residual)
     def _producer():
         _set_registers(40, n_wg)
 
-        def page_ids(i):  # the base (and residual) page ids of step i's block
-            kb = jnp.minimum(block_of(i), n_blocks - 1)  # (a prefetch past the end: clamped)
-            tables = (pt_ref, rpt_ref) if residual else (pt_ref,)
-            return tuple(t[b, kb * ppb + p] for t in tables for p in range(ppb))
+        def one_item(it, g):
+            b, h, ks, _, steps = it
 
-        def step(i, ids):
-            # Next step's page ids first: GMEM loads issued here complete behind this step's
-            # waits and copies (loaded in front of each copy, every page paid a load latency).
-            nxt = page_ids(i + 1)
-            slot = lax.rem(i, stages)
+            def page_ids(i):  # the base (and residual) page ids of step i's block
+                kb = jnp.minimum(block_of(ks, i), n_blocks - 1)  # (a prefetch past the end)
+                tables = (pt_ref, rpt_ref) if residual else (pt_ref,)
+                return tuple(t[b, kb * ppb + p] for t in tables for p in range(ppb))
 
-            @pl.when(i >= stages)  # the slot's previous tiles are consumed
-            @jax.named_scope("prod_wait_free")
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+            def step(i, ids):
+                # Next step's page ids first: GMEM loads issued here complete behind this
+                # step's waits and copies (loaded in front of each copy, every page paid a
+                # load latency).
+                nxt = page_ids(i + 1)
+                slot = lax.rem(g + i, stages)
 
-            if residual:  # first: the K-LoRA warpgroup's inputs, so U is ready with K
+                @pl.when(g + i >= stages)  # the slot's previous tiles are consumed
+                @jax.named_scope("prod_wait_free")
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                if residual:  # first: the K-LoRA warpgroup's inputs, so U is ready with K
+                    for p in range(ppb):
+                        rows = pl.ds(p * PAGE, PAGE)
+                        plgpu.copy_gmem_to_smem(kr_ref.at[layer, ids[ppb + p]],
+                                                kr_smem.at[slot, rows], r_ready.at[slot])
+                        plgpu.copy_gmem_to_smem(vr_ref.at[layer, ids[ppb + p]],
+                                                vr_smem.at[slot, rows], r_ready.at[slot])
+                    # cos | sin of the block's positions (the same for every CTA: L2)
+                    plgpu.copy_gmem_to_smem(tab_ref.at[block_of(ks, i)], tab_smem.at[slot],
+                                            r_ready.at[slot])
+
                 for p in range(ppb):
                     rows = pl.ds(p * PAGE, PAGE)
-                    plgpu.copy_gmem_to_smem(kr_ref.at[layer, ids[ppb + p]],
-                                            kr_smem.at[slot, rows], r_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(vr_ref.at[layer, ids[ppb + p]],
-                                            vr_smem.at[slot, rows], r_ready.at[slot])
-                # cos | sin of the block's positions (the same for every CTA: L2)
-                plgpu.copy_gmem_to_smem(tab_ref.at[block_of(i)], tab_smem.at[slot],
-                                        r_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[layer, h, ids[p]], k_smem.at[slot, rows],
+                                            k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[layer, h, ids[p]], v_smem.at[slot, rows],
+                                            v_ready.at[slot])
+                return nxt
 
-            for p in range(ppb):
-                rows = pl.ds(p * PAGE, PAGE)
-                plgpu.copy_gmem_to_smem(k_ref.at[layer, h, ids[p]], k_smem.at[slot, rows],
-                                        k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[layer, h, ids[p]], v_smem.at[slot, rows],
-                                        v_ready.at[slot])
-            return nxt
+            lax.fori_loop(0, steps, step, page_ids(0))
 
-        lax.fori_loop(0, steps, step, page_ids(0))
+        total = over_items(one_item)
 
-        @pl.loop(jnp.maximum(steps - stages, 0), steps)  # observe the last releases
+        @pl.loop(jnp.maximum(total - stages, 0), total)  # observe the last releases
         def _(i):
             plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
             plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
@@ -195,45 +226,50 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         @pl.when(wg == consumers)
         def _k_lora():  # U = (tab @ W) * [rK, .., rK]: the K-LoRA scores, not yet summed over r
             _set_registers(k_regs, n_wg)
-            plgpu.copy_gmem_to_smem(w_ref.at[b, h], w_smem, const_bar)
             if "rv" not in skip:  # column R of every rV slot is ones: row R of O_r^T sums P,
                 r = vr_smem.shape[-1]  # the softmax denominator (the copies below fill 0..R-1)
                 ones = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, 16), 1, layout=WGMMA) == 0
                 for st in range(stages):
                     rvp_smem[st, :, pl.ds(r, 16)] = ones.astype(rvp_smem.dtype)
-            plgpu.barrier_wait(const_bar)
 
-            @pl.loop(0, steps)
-            def _(i):
-                slot, u = lax.rem(i, stages), lax.rem(i, u_slots)
-                with jax.named_scope("kl_wait_r"):
-                    plgpu.barrier_wait(r_ready.at[slot])
-                # rV into the first R columns of a 64-wide slot: rV^T is a wgmma's M operand
-                # (64 rows) in O_r^T = rV^T P^T; rows past R (the ones above) are not rV
-                rvp_smem[slot, :, pl.ds(0, vr_smem.shape[-1])] = vr_smem[slot]
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(v_ready.at[slot])
-                if "k_lora" in skip:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    return
-                with jax.named_scope("kl_mma"):
-                    (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
-                rk = kr_smem[slot].astype(jnp.float32)
-                plgpu.barrier_arrive(k_free.at[slot])  # tab and rK of the slot are read
+            def one_item(it, g):
+                b, h, _, _, steps = it
+                # (the previous item's wgmmas on W have completed: _mma waits for them)
+                plgpu.copy_gmem_to_smem(w_ref.at[b, h], w_smem, const_bar)
+                plgpu.barrier_wait(const_bar)
 
-                @pl.when(i >= u_slots)  # the consumer is done with the slot's previous U
-                @jax.named_scope("kl_wait_u_free")
-                def _():
-                    plgpu.barrier_wait(u_free.at[u])
+                @pl.loop(0, steps)
+                def _(i):
+                    slot, u = lax.rem(g + i, stages), lax.rem(g + i, u_slots)
+                    with jax.named_scope("kl_wait_r"):
+                        plgpu.barrier_wait(r_ready.at[slot])
+                    # rV into the first R columns of a 64-wide slot: rV^T is a wgmma's M
+                    # operand (64 rows) in O_r^T = rV^T P^T; rows past R (the ones) are not rV
+                    rvp_smem[slot, :, pl.ds(0, vr_smem.shape[-1])] = vr_smem[slot]
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(v_ready.at[slot])
+                    if "k_lora" in skip:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        return
+                    with jax.named_scope("kl_mma"):
+                        (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
+                    rk = kr_smem[slot].astype(jnp.float32)
+                    plgpu.barrier_arrive(k_free.at[slot])  # tab and rK of the slot are read
 
-                with jax.named_scope("kl_store_u"):
-                    # column g * R + r of U: query head g, rank r
-                    u_smem[u] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
-                    plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
-                plgpu.barrier_arrive(u_ready.at[u])
+                    @pl.when(g + i >= u_slots)  # the consumer is done with the slot's last U
+                    @jax.named_scope("kl_wait_u_free")
+                    def _():
+                        plgpu.barrier_wait(u_free.at[u])
 
+                    with jax.named_scope("kl_store_u"):
+                        # column g * R + r of U: query head g, rank r
+                        u_smem[u] = (t * jnp.concatenate([rk] * G, axis=1)).astype(u_smem.dtype)
+                        plgpu.commit_smem()  # generic-proxy writes before the consumer's wgmma
+                    plgpu.barrier_arrive(u_ready.at[u])
+
+            total = over_items(one_item)
             if "k_lora" not in skip:
-                @pl.loop(jnp.maximum(steps - u_slots, 0), steps)  # observe the last releases
+                @pl.loop(jnp.maximum(total - u_slots, 0), total)  # observe the last releases
                 def _(i):
                     plgpu.barrier_wait(u_free.at[lax.rem(i, u_slots)])
 
@@ -241,83 +277,94 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     def _attention():
         _set_registers(c_regs, n_wg)
         c = wg
-        # each consumer loads (the same) q (and E^T) and tracks its own copy
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[c])
-        if residual:
-            plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[c])
-        plgpu.barrier_wait(q_bar.at[c])
         # Residual: transposed (S^T = K q^T + U E^T, O^T = V^T P^T, O_r^T = rV^T P^T), so the
         # 16 padded query rows are wgmma's N, not its M of 64; the softmax runs down the keys.
         ax = int(residual)  # the query axis of S (S^T)
         n_q = q_smem.shape[0]
-        m = plgpu.layout_cast(jnp.full((n_q,), MASK_VALUE, jnp.float32), WGMMA.reduce(1 - ax))
-        l = plgpu.layout_cast(jnp.zeros((n_q,), jnp.float32), WGMMA.reduce(1 - ax))
         vs = (v_smem, rvp_smem) if residual and "rv" not in skip else (v_smem,)
         sum_p = len(vs) == 1  # else the O_r^T product sums P (rV's column R is ones)
         o_shapes = [(ref.shape[-1], n_q) if residual else (n_q, d) for ref in vs]
-        o = tuple(plgpu.layout_cast(jnp.zeros(x, jnp.float32), WGMMA) for x in o_shapes)
+        s_shape = (BLOCK_K, n_q) if residual else (n_q, BLOCK_K)
+        use_u = residual and "k_lora" not in skip
 
-        def step(t, carry):
-            o, m, l = carry
-            i = c + t * consumers
-            slot = lax.rem(i, stages)
-            kb = block_of(i)
-            with jax.named_scope("c_wait_k"):
-                plgpu.barrier_wait(k_ready.at[slot])
+        def one_item(it, g):
+            b, h, ks, length, steps = it
+            # each consumer loads (the same) q (and E^T) and tracks its own copy; the previous
+            # item's wgmmas on them have completed (_mma waits)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[c])
             if residual:
-                terms = [(k_smem.at[slot], q_smem.transpose((1, 0)))]
-            else:
-                terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
-            use_u = residual and "k_lora" not in skip
-            if use_u:  # + sum_r U[key, g * R + r] into column g: E^T is ones at (g * R + r, g)
-                u = lax.rem(i, u_slots)
-                with jax.named_scope("c_wait_u"):
-                    plgpu.barrier_wait(u_ready.at[u])
-                terms.append((u_smem.at[u], e_smem))
-            s_shape = (BLOCK_K, n_q) if residual else (n_q, BLOCK_K)
-            with jax.named_scope("c_s_mma"):
-                (s,) = _mma([terms], [s_shape])
-            plgpu.barrier_arrive(k_free.at[slot])
-            if use_u:
-                plgpu.barrier_arrive(u_free.at[u])
-            key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - ax, layout=WGMMA)
-            s = jnp.where(key < length, s * scale, MASK_VALUE)  # NaN keys past the end too
-            m_new = jnp.maximum(m, s.max(axis=1 - ax))
-            alpha = jnp.exp2(m - m_new)
-            p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [ax]))
-            if sum_p:  # (residual: across the 4 warps, through shared memory)
-                l = l * alpha + p_.sum(axis=1 - ax)
-            p_smem[c] = p_.astype(p_smem.dtype)
-            with jax.named_scope("c_wait_v"):
-                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[c])
+            plgpu.barrier_wait(q_bar.at[c])
+            m = plgpu.layout_cast(jnp.full((n_q,), MASK_VALUE, jnp.float32), WGMMA.reduce(1 - ax))
+            l = plgpu.layout_cast(jnp.zeros((n_q,), jnp.float32), WGMMA.reduce(1 - ax))
+            o = tuple(plgpu.layout_cast(jnp.zeros(x, jnp.float32), WGMMA) for x in o_shapes)
 
-            @pl.when((kb + 1) * BLOCK_K > length)  # the last block: zero V rows past the end
-            def _():                               # (0 * NaN in an unused slot is NaN)
-                for ref in vs:
-                    v = plgpu.load(ref.at[slot], layout=WGMMA)
-                    row = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
-                                                                layout=WGMMA)
-                    ref[slot] = jnp.where(row < length, v, jnp.zeros_like(v))
-
-            plgpu.commit_smem()
-            with jax.named_scope("c_pv_mma"):
+            def step(t, carry):
+                o, m, l = carry
+                i = c + t * consumers
+                slot = lax.rem(g + i, stages)
+                kb = block_of(ks, i)
+                with jax.named_scope("c_wait_k"):
+                    plgpu.barrier_wait(k_ready.at[slot])
                 if residual:
-                    pv = _mma([[(ref.at[slot].transpose((1, 0)), p_smem.at[c])] for ref in vs],
-                              o_shapes)
+                    terms = [(k_smem.at[slot], q_smem.transpose((1, 0)))]
                 else:
-                    pv = _mma([[(p_smem.at[c], v_smem.at[slot])]], o_shapes)
-            plgpu.barrier_arrive(v_free.at[slot])
-            o = tuple(x * lax.broadcast_in_dim(alpha, x.shape, [ax]) + y for x, y in zip(o, pv))
-            return o, m_new, l
+                    terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
+                if use_u:  # + sum_r U[key, g * R + r] into column g: E^T is 1 at (g * R + r, g)
+                    u = lax.rem(g + i, u_slots)
+                    with jax.named_scope("c_wait_u"):
+                        plgpu.barrier_wait(u_ready.at[u])
+                    terms.append((u_smem.at[u], e_smem))
+                with jax.named_scope("c_s_mma"):
+                    (s,) = _mma([terms], [s_shape])
+                plgpu.barrier_arrive(k_free.at[slot])
+                if use_u:
+                    plgpu.barrier_arrive(u_free.at[u])
+                key = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - ax,
+                                                            layout=WGMMA)
+                s = jnp.where(key < length, s * scale, MASK_VALUE)  # NaN keys past the end too
+                m_new = jnp.maximum(m, s.max(axis=1 - ax))
+                alpha = jnp.exp2(m - m_new)
+                p_ = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [ax]))
+                if sum_p:  # (residual: across the 4 warps, through shared memory)
+                    l = l * alpha + p_.sum(axis=1 - ax)
+                p_smem[c] = p_.astype(p_smem.dtype)
+                with jax.named_scope("c_wait_v"):
+                    plgpu.barrier_wait(v_ready.at[slot])
 
-        o, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
-                                (o, m, l))
-        split = ks * consumers + c
-        o_ref[b, split, h] = o[0]
-        if len(o) > 1:
-            or_ref[b, split, h] = o[1]
-        ml_ref[b, split, h, 0] = m
-        ml_ref[b, split, h, 1] = l
+                @pl.when((kb + 1) * BLOCK_K > length)  # the last block: zero V rows past the
+                def _():                               # end (0 * NaN in an unused slot is NaN)
+                    for ref in vs:
+                        v = plgpu.load(ref.at[slot], layout=WGMMA)
+                        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, v.shape,
+                                                 layout=WGMMA)
+                        keep = kb * BLOCK_K + iota(0) < length
+                        if ref is not v_smem and n_ctas < n_items:  # rV's ones column: later
+                            keep |= iota(1) >= vr_smem.shape[-1]    # items' denominators
+                        ref[slot] = jnp.where(keep, v, jnp.zeros_like(v))
+
+                plgpu.commit_smem()
+                with jax.named_scope("c_pv_mma"):
+                    if residual:
+                        pv = _mma([[(ref.at[slot].transpose((1, 0)), p_smem.at[c])]
+                                   for ref in vs], o_shapes)
+                    else:
+                        pv = _mma([[(p_smem.at[c], v_smem.at[slot])]], o_shapes)
+                plgpu.barrier_arrive(v_free.at[slot])
+                o = tuple(x * lax.broadcast_in_dim(alpha, x.shape, [ax]) + y
+                          for x, y in zip(o, pv))
+                return o, m_new, l
+
+            o, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
+                                    (o, m, l))
+            split = ks * consumers + c
+            o_ref[b, split, h] = o[0]
+            if len(o) > 1:
+                or_ref[b, split, h] = o[1]
+            ml_ref[b, split, h, 0] = m
+            ml_ref[b, split, h, 1] = l
+
+        over_items(one_item)
 
 
 def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, n_q, dt):
@@ -391,7 +438,7 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
     return scratch, smem
 
 
-def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits,
+def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits, ctas,
             stages, consumers, interpret, skip=(), profile_dir=""):
     B, Hq, D = q.shape
     Hkv, _, S, _ = k_pages.shape[-4:]
@@ -412,6 +459,12 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     mp = -(-page_table.shape[1] // ppb) * ppb
     if k_splits is None:  # one CTA per SM (shared memory): split the keys until all SMs work
         k_splits = max(1, min(-(-SMS // (B * Hkv)), mp // ppb))
+    n_items = B * Hkv * k_splits
+    if ctas is None:  # an A/B knob until the GPU decides the default (BENCHMARKS.md)
+        ctas = (consumers == 1 and int(os.environ.get("FORKJAX_MGPU_CTAS") or 0)) or n_items
+    n_ctas = max(1, min(ctas, n_items))
+    if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
+        raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
@@ -437,10 +490,10 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         raise ValueError(f"mgpu decode: {smem} B of shared memory for stages={stages} "
                          f"consumers={consumers} G={G} R={R} D={D} (at most {SMEM_BYTES})")
     kernel = plgpu.kernel(
-        functools.partial(_kernel, k_splits=k_splits, stages=stages, consumers=consumers,
-                          scale=scale, residual=residual, skip=skip),
-        out_type=tuple(out_type), scratch_types=scratch, grid=(B, Hkv, k_splits),
-        grid_names=("b", "h", "ks"), num_threads=n_wg, thread_name="wg",
+        functools.partial(_kernel, k_splits=k_splits, n_ctas=n_ctas, stages=stages,
+                          consumers=consumers, scale=scale, residual=residual, skip=skip),
+        out_type=tuple(out_type), scratch_types=scratch, grid=(n_ctas,), grid_names=("cta",),
+        num_threads=n_wg, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             profile_space=PROFILE_RANGES, profile_dir=profile_dir, profile_bounds_check=True)
         if profile_dir else None,
@@ -475,25 +528,30 @@ def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype, stages: i
             and _scratch(Hq // Hkv, R, D, dtype, stages, consumers)[1] <= SMEM_BYTES)
 
 
-_STATIC = ("sm_scale", "k_splits", "stages", "consumers", "interpret")
+_STATIC = ("sm_scale", "k_splits", "ctas", "stages", "consumers", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("skip", "profile_dir"))
 def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
                          b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
-                         k_splits: int | None = None, stages: int = 3, consumers: int = 1,
-                         interpret: bool = False, skip: tuple = (), profile_dir: str = ""):
+                         k_splits: int | None = None, ctas: int | None = None, stages: int = 3,
+                         consumers: int = 1, interpret: bool = False, skip: tuple = (),
+                         profile_dir: str = ""):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
     or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D].
 
+    ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
+    items in turn with one ring across them, so a CTA's start and end (the first loads, the
+    output stores) overlap its neighbours' streaming. None: $FORKJAX_MGPU_CTAS if set, else
+    one CTA per item.
     skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv" the
     O_r^T = rV^T P^T product.
     profile_dir: write a trace of the named scopes of each warpgroup there
     (scripts/mgpu_profile.py reads it)."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
-                   sm_scale=sm_scale, k_splits=k_splits, stages=stages, consumers=consumers,
-                   interpret=interpret, skip=skip, profile_dir=profile_dir)
+                   sm_scale=sm_scale, k_splits=k_splits, ctas=ctas, stages=stages,
+                   consumers=consumers, interpret=interpret, skip=skip, profile_dir=profile_dir)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -507,10 +565,12 @@ def mgpu_unified_decode(
     layer=None,  # int32 scalar: the layer when the pools carry a leading L axis
     sm_scale=None,
     k_splits: int = 1,
+    ctas: int | None = None,  # at most this many CTAs, items in turn (needs consumers=1)
     stages: int = 4,
     consumers: int = 2,
     interpret: bool = False,
 ):
     """Plain paged GQA decode (the `unified_attention_decode` contract) -> [B, Hq, D]."""
     return _decode(q, k_pages, v_pages, page_table, lengths, None, layer, sm_scale=sm_scale,
-                   k_splits=k_splits, stages=stages, consumers=consumers, interpret=interpret)
+                   k_splits=k_splits, ctas=ctas, stages=stages, consumers=consumers,
+                   interpret=interpret)

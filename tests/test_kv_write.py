@@ -1,0 +1,74 @@
+"""The Mosaic GPU K/V write kernel (pallas_kernels/kv_write.py) against `write_kv`, the XLA
+scatters it replaces: interpreted on the CPU, compiled on a GPU; lowered for CUDA on the CPU at
+the Llama-3-8B shape with pools of over 2^31 elements."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from forkjax.cache import KVPools, write_kv
+from forkjax.pallas_kernels.kv_write import kv_write, supports
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _case(seed, residual, dtype, L=3, H=2, P=7, S=16, D=64, Pr=5, R=16, T=6):
+    rng = np.random.default_rng(seed)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    pools = KVPools(mk(L, H, P, S, D), mk(L, H, P, S, D), mk(L, Pr, S, R), mk(L, Pr, S, R))
+    # distinct shuffled slots off the sink page, then two tokens sent to the sink (slot 0)
+    base = rng.permutation(np.arange(S, P * S))[:T].astype(np.int32)
+    res = rng.permutation(np.arange(S, Pr * S))[:T].astype(np.int32)
+    base[2], res[4], res[1] = 0, 0, 0
+    rows = (mk(T, H, D), mk(T, H, D)) + ((mk(T, R), mk(T, R)) if residual else ())
+    return pools, jnp.asarray(base), jnp.asarray(res), rows
+
+
+def _off_sink(pools):
+    """Every pool without its sink page (what two writers of the sink leave there is either's)."""
+    return [np.asarray(p[:, :, 1:] if p.ndim == 5 else p[:, 1:], np.float32) for p in pools]
+
+
+@pytest.mark.parametrize("residual,dtype", [(True, jnp.bfloat16), (False, jnp.float32)])
+def test_kv_write_equals_the_scatters(residual, dtype):
+    pools, base, res, rows = _case(0, residual, dtype)
+    want = write_kv(pools, 1, base, res, *rows)
+    before = _off_sink(pools)
+    got = kv_write(KVPools(*[jnp.array(p) for p in pools]), 1, base, res, *rows,
+                   interpret=INTERPRET)
+    for w, g, b in zip(_off_sink(want), _off_sink(got), before):
+        np.testing.assert_array_equal(g, w)
+    # the tokens really landed (and nothing else moved): T rows of base K changed, 4 of rK
+    assert (_off_sink(got)[0] != before[0]).any(axis=(1, 4)).sum() == 5
+    if residual:
+        assert (_off_sink(got)[2] != before[2]).any(axis=(0, 3)).sum() == 4
+
+
+def test_kv_write_lowers_for_cuda_in_place_at_llama8b_scale():
+    L, H, P, S, D, Pr, R, T = 32, 8, 70000, 16, 128, 9000, 16, 64  # base pools: 4.6e9 elements
+    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    pools = KVPools(sd(L, H, P, S, D), sd(L, H, P, S, D), sd(L, Pr, S, R), sd(L, Pr, S, R))
+    slots = jax.ShapeDtypeStruct((T,), jnp.int32)
+    text = kv_write.trace(pools, 5, slots, slots, sd(T, H, D), sd(T, H, D), sd(T, R),
+                          sd(T, R)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "output_operand_aliases" in text  # the pools are written where they are
+
+
+def test_supports_needs_16_byte_rows():
+    pools, *_ = _case(0, True, jnp.bfloat16)
+    assert supports(pools)
+    assert not supports(pools._replace(res_k=pools.res_k[..., :4]))
+
+
+def test_engine_uses_the_kernel_only_on_a_gpu_when_selected(monkeypatch):
+    from forkjax.engine import paged_attention as pa
+    from forkjax.pallas_kernels import kv_write as kvw
+    pools, *_ = _case(0, True, jnp.bfloat16)
+    monkeypatch.setattr(pa.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("FORKJAX_KV_WRITE", raising=False)
+    assert pa._kv_writer(True, pools) is write_kv  # the default: XLA's scatters
+    monkeypatch.setenv("FORKJAX_KV_WRITE", "mosaic")
+    assert pa._kv_writer(True, pools) is kvw.kv_write
+    assert pa._kv_writer(False, pools) is write_kv  # the reference path stays the reference
