@@ -449,8 +449,7 @@ def run_mgpu_sweep(base, bw, results):
              # (outputs wrong on purpose): what each part costs
              "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
                                for st, c, ks in ((3, 1, 1), (3, 1, 2), (2, 1, 1), (2, 2, 1))]
-             + [dict(base, stages=st, consumers=1, k_splits=1, ctas=SMS)
-                for st in (3, 2)]
+             + [dict(base, stages=3, consumers=1, k_splits=ks, ctas=SMS) for ks in (1, 2)]
              + [dict(base, stages=3, consumers=1, k_splits=1, skip=s)
                 for s in (("k_lora",), ("rv",), ("k_lora", "rv"))]}
     results["sweep_mgpu"] = {}

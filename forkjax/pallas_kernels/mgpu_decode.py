@@ -145,19 +145,22 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     n_wg = consumers + 1 + residual
     c_regs, k_regs = _register_split(consumers, residual)
 
+    def coords(j):  # (b, h, split) of this CTA's j-th item
+        x = cta + j * n_ctas
+        return x // (hkv * k_splits), x // k_splits % hkv, x % k_splits
+
     def item(j):
         """(b, h, split, tokens, key blocks) of this CTA's j-th item. Every warpgroup walks the
         same items, counting ring steps across them, so ring slots and barrier phases agree."""
-        x = cta + j * n_ctas
-        b, h, ks = x // (hkv * k_splits), x // k_splits % hkv, x % k_splits
+        b, h, ks = coords(j)
         length = len_ref[b]
         return b, h, ks, length, pl.cdiv(jnp.maximum(pl.cdiv(length, BLOCK_K) - ks, 0), k_splits)
 
     def over_items(body):
-        """body(item(j), g) for each item, g its first ring step -> ring steps in all."""
+        """body(j, item(j), g) for each item, g its first ring step -> ring steps in all."""
         def run(j, g):
             it = item(j)
-            body(it, g)
+            body(j, it, g)
             return g + it[4]
         if n_ctas == n_items:  # one item a CTA: no loop around it (the kernel as it was)
             return run(0, jnp.int32(0))
@@ -170,7 +173,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
     def _producer():
         _set_registers(40, n_wg)
 
-        def one_item(it, g):
+        def one_item(j, it, g):
             b, h, ks, _, steps = it
 
             def page_ids(i):  # the base (and residual) page ids of step i's block
@@ -232,7 +235,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                 for st in range(stages):
                     rvp_smem[st, :, pl.ds(r, 16)] = ones.astype(rvp_smem.dtype)
 
-            def one_item(it, g):
+            def one_item(j, it, g):
                 b, h, _, _, steps = it
                 # (the previous item's wgmmas on W have completed: _mma waits for them)
                 plgpu.copy_gmem_to_smem(w_ref.at[b, h], w_smem, const_bar)
@@ -287,13 +290,18 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         s_shape = (BLOCK_K, n_q) if residual else (n_q, BLOCK_K)
         use_u = residual and "k_lora" not in skip
 
-        def one_item(it, g):
-            b, h, ks, length, steps = it
+        def load_q(j):
             # each consumer loads (the same) q (and E^T) and tracks its own copy; the previous
             # item's wgmmas on them have completed (_mma waits)
+            b, h, _ = coords(j)
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[c])
             if residual:
                 plgpu.copy_gmem_to_smem(e_ref, e_smem, q_bar.at[c])
+
+        load_q(0)
+
+        def one_item(j, it, g):
+            b, h, ks, length, steps = it
             plgpu.barrier_wait(q_bar.at[c])
             m = plgpu.layout_cast(jnp.full((n_q,), MASK_VALUE, jnp.float32), WGMMA.reduce(1 - ax))
             l = plgpu.layout_cast(jnp.zeros((n_q,), jnp.float32), WGMMA.reduce(1 - ax))
@@ -357,6 +365,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
             o, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(steps - c, 0), consumers), step,
                                     (o, m, l))
+            if n_ctas < n_items:  # the next item's q lands while this one's outputs are stored
+                pl.when(j + 1 < n_mine)(lambda: load_q(j + 1))
             split = ks * consumers + c
             o_ref[b, split, h] = o[0]
             if len(o) > 1:
