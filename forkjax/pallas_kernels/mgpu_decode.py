@@ -448,6 +448,18 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
     return scratch, smem
 
 
+def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
+    """CTAs to launch for n_items (batch row, KV head, split) items."""
+    if ctas is None:  # an A/B knob until the GPU decides the default (BENCHMARKS.md), for
+        # batches of 1.5+ items a CTA (fewer: a tail of CTAs running two items each)
+        env = consumers == 1 and int(os.environ.get("FORKJAX_MGPU_CTAS") or 0)
+        ctas = env if env and 2 * n_items >= 3 * env else n_items
+    n_ctas = max(1, min(ctas, n_items))
+    if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
+        raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
+    return n_ctas
+
+
 def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits, ctas,
             stages, consumers, interpret, skip=(), profile_dir=""):
     B, Hq, D = q.shape
@@ -470,11 +482,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     if k_splits is None:  # one CTA per SM (shared memory): split the keys until all SMs work
         k_splits = max(1, min(-(-SMS // (B * Hkv)), mp // ppb))
     n_items = B * Hkv * k_splits
-    if ctas is None:  # an A/B knob until the GPU decides the default (BENCHMARKS.md)
-        ctas = (consumers == 1 and int(os.environ.get("FORKJAX_MGPU_CTAS") or 0)) or n_items
-    n_ctas = max(1, min(ctas, n_items))
-    if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
-        raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
+    n_ctas = _num_ctas(n_items, ctas, consumers)
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
@@ -551,9 +559,9 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
     or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D].
 
     ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
-    items in turn with one ring across them, so a CTA's start and end (the first loads, the
-    output stores) overlap its neighbours' streaming. None: $FORKJAX_MGPU_CTAS if set, else
-    one CTA per item.
+    items in turn with one ring across them, so an item's first loads and its output stores
+    overlap the streaming of the item before and after. None: $FORKJAX_MGPU_CTAS if set and
+    there are 1.5+ items a CTA, else one CTA per item.
     skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv" the
     O_r^T = rV^T P^T product.
     profile_dir: write a trace of the named scopes of each warpgroup there
