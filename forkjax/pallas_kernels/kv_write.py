@@ -3,9 +3,9 @@
 `forkjax.cache.write_kv` (the reference) scatters a step's new tokens with one XLA scatter per
 pool: base K, base V, residual K, residual V. In a B=64 decode step each of those four kernels
 moves 64 rows and takes ~2.8 us on the H200 (BENCHMARKS.md, the engine's layer timeline),
-launch and tail mostly. Here one CTA per token TMA-copies its rows (blocks staged in shared
-memory) into every pool; the pools are aliased inputs and outputs, so nothing
-else is copied. TMA addresses the pools by coordinates, so pools of over 2^31 elements are fine.
+launch and tail mostly. Here one CTA per token TMA-copies its rows into shared memory and on
+into every pool; the pools are aliased inputs and outputs, so nothing else is copied. TMA
+addresses the pools by coordinates, so pools of over 2^31 elements are fine.
 
     pools   base [L, Hkv, P, S, D], residual [L, Pr, S, R] (forkjax.cache.pool)
     slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written
@@ -28,6 +28,8 @@ from forkjax.cache.pool import KVPools
 
 
 def _kernel(layer_ref, base_slots_ref, res_slots_ref, *refs, page: int, n: int):
+    """refs: n row arrays ([T, Hkv, D] k, v, then [T, R] xa_k, xa_v), the n pools they go to,
+    then scratch: a shared-memory buffer per row array and the barrier of its copies."""
     rows, pools, (*smem, landed) = refs[:n], refs[n:2 * n], refs[2 * n:]
     t = lax.axis_index("t")
     layer = layer_ref[0]
@@ -50,10 +52,19 @@ def supports(pools: KVPools) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
-def kv_write(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None, *,
-             interpret: bool = False) -> KVPools:
-    """`write_kv`'s contract, one kernel: k, v [T, Hkv, D]; xa_k, xa_v [T, R] or None (the
-    residual pools untouched)."""
+def kv_write(
+    pools: KVPools,  # base [L, Hkv, P, S, D], residual [L, Pr, S, R]; donated, written in place
+    layer,  # int32 scalar
+    base_slots,  # [T] int32 page * S + offset; 0: the sink (do not write)
+    res_slots,  # [T] int32
+    k,  # [T, Hkv, D]
+    v,  # [T, Hkv, D]
+    xa_k=None,  # [T, R], or None: the residual pools are left as they are
+    xa_v=None,  # [T, R]
+    *,
+    interpret: bool = False,
+) -> KVPools:
+    """`write_kv`'s contract (forkjax.cache.pool), one kernel."""
     residual = xa_k is not None
     targets = tuple(pools) if residual else tuple(pools[:2])
     rows = (k, v, xa_k, xa_v) if residual else (k, v)
