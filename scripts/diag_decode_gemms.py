@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 scripts/diag_decode_gemms.py --out $OUT [--m 64] [--cases o,down]
         [--options '{"xla_gpu_enable_triton_gemm": false}']   # extra XLA compiler options
+        [--options '[{}, {"xla_gpu_enable_triton_gemm": false}]']   # or a list: each in turn
 
 At the Llama-3-8B shapes (d 4096, q 4096, kv 1024, ffn 14336), bf16, M = 1, 16, 64 tokens: the
 time of one layer's projections as the engine runs them (q, k, v, gate, up separately) against
@@ -53,9 +54,12 @@ def main():
     ap.add_argument("--out", default="diag_out")
     ap.add_argument("--m", default="1,16,64", help="token counts")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--options", default="{}", help="JSON dict of XLA compiler options")
+    ap.add_argument("--options", default="{}",
+                    help="JSON dict of XLA compiler options, or a list of them (each in turn)")
     args = ap.parse_args()
-    options = {"xla_gpu_dot_merger_threshold_mb": 0, **json.loads(args.options)}
+    option_sets = json.loads(args.options)
+    if isinstance(option_sets, dict):
+        option_sets = [option_sets]
     cases = args.cases.split(",") if args.cases else list(CASES)
     os.makedirs(args.out, exist_ok=True)
     results = []
@@ -66,14 +70,20 @@ def main():
         nbytes = sum(w.nbytes for w in ws[0])
         for m in map(int, args.m.split(",")):
             x = jax.random.normal(jax.random.key(99), (m, d_in), jnp.bfloat16)
-            f = jax.jit(lambda x, ws: [[dot(x, w) for w in layer] for layer in ws],
-                        compiler_options=options)
-            ms, how = time_ms(f, (x, ws))
-            us = ms * 1e3 / LAYERS
-            row = dict(case=name, m=m, options=args.options, us_per_layer=round(us, 2),
-                       mb=round(nbytes / 1e6, 1), tbps=round(nbytes / (us * 1e-6) / 1e12, 2), timing=how)
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            for extra in option_sets:
+                row = dict(case=name, m=m, options=extra, mb=round(nbytes / 1e6, 1))
+                f = jax.jit(lambda x, ws: [[dot(x, w) for w in layer] for layer in ws],
+                            compiler_options={"xla_gpu_dot_merger_threshold_mb": 0, **extra})
+                try:
+                    ms, how = time_ms(f, (x, ws))
+                except Exception as e:  # noqa: BLE001  (an option this XLA rejects)
+                    row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                else:
+                    us = ms * 1e3 / LAYERS
+                    row.update(us_per_layer=round(us, 2), timing=how,
+                               tbps=round(nbytes / (us * 1e-6) / 1e12, 2))
+                print(json.dumps(row), flush=True)
+                results.append(row)
         del ws
     with open(os.path.join(args.out, "diag_decode_gemms.json"), "w") as f:
         json.dump(results, f, indent=1)

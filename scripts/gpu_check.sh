@@ -11,6 +11,9 @@
 #           mosaic, then bench_engine.py B=64 under the A/B knobs,  ab_<n>.json/log
 #           one process each: none, FORKJAX_MGPU_CTAS=132,
 #           FORKJAX_KV_WRITE=mosaic, both, none again
+#   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
+#           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
+#           specialised, forced split-K, cuDNN GEMM fusions
 #
 #   bash scripts/gpu_check.sh sweep engine      # from the repository root, on the GPU machine
 set -u
@@ -67,6 +70,16 @@ print(f"{sys.argv[2]}: B=64 step {d['step_ms']:.2f} ms = {d['ratio']:.2f}x roofl
 PY
         done
         unset FORKJAX_MGPU_CTAS FORKJAX_KV_WRITE ;;
+    gemm)  # the weak decode GEMMs (BENCHMARKS.md, tenth session) under other XLA options
+        (cd scripts && PYTHONPATH=.. timeout 540 python3 diag_decode_gemms.py --out "$OUT" --m 64 \
+            --cases "qkv + A fused,o,down" --options '[{}, {"xla_gpu_enable_triton_gemm": false},
+            {"xla_gpu_experimental_enable_triton_warp_specialization": true},
+            {"xla_gpu_experimental_force_split_k": 2}, {"xla_gpu_experimental_force_split_k": 4},
+            {"xla_gpu_cudnn_gemm_fusion_level": 2, "xla_gpu_enable_triton_gemm": false},
+            {"xla_gpu_experimental_autotune_backends": "TRITON,CUBLASLT,CUDNN"}]' \
+            > "$OUT/gemm.log" 2>&1)
+        echo "diag_decode_gemms: rc=$?"
+        grep -E '^\{' "$OUT/gemm.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
