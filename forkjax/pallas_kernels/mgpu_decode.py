@@ -497,8 +497,10 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
             jnp.asarray(layer, jnp.int32).reshape(1)]
     if residual:
         k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+        # W from qx's real rows, not from q: qx is then q's one consumer, and XLA can fuse the
+        # padding into whatever computes q (in the engine, its RoPE) instead of running both
         args += [k_res, v_res, pad_pages(res_pages), *_k_lora_operands(
-            q, b_k, adapter_ids, inv_freq, Hkv, mp // ppb, n_q, dt)]
+            qx[:, :, :G].reshape(B, Hq, D), b_k, adapter_ids, inv_freq, Hkv, mp // ppb, n_q, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
     n_wg = consumers + 1 + residual
     # the profiler's buffer: per warpgroup and range two events of two int32 entries
