@@ -5,12 +5,12 @@
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
-#   mgpu    Mosaic GPU kernel tests, bench_kernels.py --mgpu        mgpu_tests.log,    ~4 min
-#                                                                   bench_kernels.*
-#   ab      the engine's Pallas-path tests with FORKJAX_KV_WRITE=   kv_write_engine.log ~7 min
-#           mosaic, then bench_engine.py B=64 under the A/B knobs,  ab_<n>.json/log
-#           one process each: none, FORKJAX_MGPU_CTAS=132,
-#           FORKJAX_KV_WRITE=mosaic, both, none again
+#   mgpu    Mosaic GPU kernel tests, the engine's Pallas-path       mgpu_tests.log,    ~6 min
+#           tests with FORKJAX_KV_WRITE=mosaic, bench_kernels.py    kv_write_engine.log,
+#           --mgpu                                                  bench_kernels.*
+#   ab      bench_engine.py B=64 under the A/B knobs, one process   ab_<n>.json/log    ~6 min
+#           each: none, FORKJAX_MGPU_CTAS=132, FORKJAX_KV_WRITE=
+#           mosaic, both, none again
 #   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
 #           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
 #           specialised, forced split-K, cuDNN GEMM fusions
@@ -32,6 +32,8 @@ for stage in "$@"; do
             tests/test_engine_pallas.py ;;
     mgpu)  # a hung kernel blocks the device for later commands: this stage goes last
         run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py tests/test_kv_write.py
+        FORKJAX_KV_WRITE=mosaic run 200 kv_write_engine.log python3 -m pytest -q \
+            tests/test_engine_pallas.py  # the engine's Pallas path with the K/V write kernel
         timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels --mgpu: rc=$?"
         grep -E "sweep" "$OUT/bench_kernels.log" ;;
@@ -53,8 +55,6 @@ print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
         ;;
     ab)  # one process per variant (the knobs are read when the step is traced)
-        FORKJAX_KV_WRITE=mosaic run 150 kv_write_engine.log python3 -m pytest -q \
-            tests/test_engine_pallas.py  # the engine's Pallas path with the K/V write kernel
         n=0
         for variant in none ctas kvw both none; do
             n=$((n + 1))
