@@ -46,9 +46,7 @@ def _kernel(layer_ref, base_slots_ref, res_slots_ref, *refs, page: int, n: int):
 
 def supports(pools: KVPools) -> bool:
     """TMA copies of whole rows: 16-byte multiples (D, R of 8+ bf16 elements)."""
-    size = pools.base_k.dtype.itemsize
-    return (pools.base_k.shape[-1] * size % 16 == 0
-            and pools.res_k.shape[-1] * pools.res_k.dtype.itemsize % 16 == 0)
+    return all(p.shape[-1] * p.dtype.itemsize % 16 == 0 for p in (pools.base_k, pools.res_k))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))

@@ -377,15 +377,16 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         over_items(one_item)
 
 
-def _k_lora_operands(q, b_k, adapter_ids, inv_freq, Hkv, n_blocks, n_q, dt):
-    """W [B, Hkv, D, G*R], E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the docstring).
+def _k_lora_operands(qg, b_k, adapter_ids, inv_freq, n_blocks, n_q, dt):
+    """qg [B, Hkv, G, D] (the query heads of each KV head) -> W [B, Hkv, D, G*R],
+    E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the module docstring).
 
     tab by angle addition (block start + offset, each from `rope_cos_sin`): 6 sin/cos per entry
     for every position cost 6 µs a call at 8k positions on the H200. (W^T, which XLA builds
     without transposing, made the kernel's K-LoRA product slower: 350 against 331 µs.)"""
-    B, Hq, D = q.shape
-    G, R, h = Hq // Hkv, b_k.shape[1], D // 2
-    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    B, Hkv, G, D = qg.shape
+    R, h = b_k.shape[1], D // 2
+    qg = qg.astype(jnp.float32)
     bk = b_k[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D], as gathered
     q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv|R, G|Hkv, D/2]
     prod = functools.partial(jnp.einsum, "bhgj,brhj->bhjgr")
@@ -500,7 +501,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         # W from qx's real rows, not from q: qx is then q's one consumer, and XLA can fuse the
         # padding into whatever computes q (in the engine, its RoPE) instead of running both
         args += [k_res, v_res, pad_pages(res_pages), *_k_lora_operands(
-            qx[:, :, :G].reshape(B, Hq, D), b_k, adapter_ids, inv_freq, Hkv, mp // ppb, n_q, dt)]
+            qx[:, :, :G], b_k, adapter_ids, inv_freq, mp // ppb, n_q, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
     n_wg = consumers + 1 + residual
     # the profiler's buffer: per warpgroup and range two events of two int32 entries
