@@ -5,12 +5,12 @@
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
-#   mgpu    Mosaic GPU kernel tests, the engine's Pallas-path       mgpu_tests.log,    ~6 min
-#           tests with FORKJAX_KV_WRITE=mosaic, bench_kernels.py    kv_write_engine.log,
-#           --mgpu                                                  bench_kernels.*
-#   ab      bench_engine.py B=64 under the A/B knobs, one process   ab_<n>.json/log    ~6 min
+#   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
+#   kvw     the engine's Pallas-path tests, FORKJAX_KV_WRITE=mosaic kv_write_engine.log ~3 min
+#   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
+#   ab      bench_engine.py B=64 under the A/B knobs, one process   ab_<n>.json/log    ~5 min
 #           each: none, FORKJAX_MGPU_CTAS=132, FORKJAX_KV_WRITE=
-#           mosaic, both, none again
+#           mosaic, both
 #   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
 #           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
 #           specialised, forced split-K, cuDNN GEMM fusions
@@ -30,10 +30,12 @@ for stage in "$@"; do
     tests)
         run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py \
             tests/test_engine_pallas.py ;;
-    mgpu)  # a hung kernel blocks the device for later commands: this stage goes last
-        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py tests/test_kv_write.py
+    mgpu)  # a hung kernel blocks the device for later commands: run Mosaic stages last
+        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py tests/test_kv_write.py ;;
+    kvw)  # the engine's Pallas path with the Mosaic K/V write kernel
         FORKJAX_KV_WRITE=mosaic run 200 kv_write_engine.log python3 -m pytest -q \
-            tests/test_engine_pallas.py  # the engine's Pallas path with the K/V write kernel
+            tests/test_engine_pallas.py ;;
+    mgpu_bench)
         timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels --mgpu: rc=$?"
         grep -E "sweep" "$OUT/bench_kernels.log" ;;
@@ -56,7 +58,7 @@ PY
         ;;
     ab)  # one process per variant (the knobs are read when the step is traced)
         n=0
-        for variant in none ctas kvw both none; do
+        for variant in none ctas kvw both; do
             n=$((n + 1))
             unset FORKJAX_MGPU_CTAS FORKJAX_KV_WRITE
             case $variant in ctas | both) export FORKJAX_MGPU_CTAS=132 ;; esac
