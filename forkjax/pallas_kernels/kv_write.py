@@ -10,8 +10,8 @@ addresses the pools by coordinates, so pools of over 2^31 elements are fine.
     pools   base [L, Hkv, P, S, D], residual [L, Pr, S, R] (forkjax.cache.pool)
     slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written
 
-Not the engine's default until the GPU has timed it (scripts/gpu_check.sh ab): $FORKJAX_KV_WRITE
-=mosaic selects it there.
+Timed in the engine (B=64 decode 11.11 against 11.23 ms, BENCHMARKS.md, twelfth session), not
+yet its default: $FORKJAX_KV_WRITE=mosaic selects it on a GPU.
 """
 
 from __future__ import annotations
@@ -83,5 +83,5 @@ def kv_write(
 
 def selected() -> bool:
     """$FORKJAX_KV_WRITE=mosaic: the engine writes K/V with this kernel on a GPU (an A/B knob
-    until the GPU decides the default)."""
+    until the engine's tests have run with it on the GPU)."""
     return os.environ.get("FORKJAX_KV_WRITE", "xla") == "mosaic"

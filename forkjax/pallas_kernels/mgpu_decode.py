@@ -52,8 +52,8 @@ An item is one (batch row, KV head, split). By default each CTA runs one; with `
 the items (one consumer only), CTA c runs items c, c + ctas, ... in turn, every warpgroup
 counting ring steps across them, so the producer streams the next item's first blocks while
 the consumer finishes the last one's. Meant for many short items (B=64, L=2k: 512 items of 32
-blocks, one CTA an SM, each paying the ring's fill and its output stores); not yet timed on
-the GPU, so not the default.
+blocks, one CTA an SM, each paying the ring's fill and its output stores): 165 against 173 µs a
+layer in the engine on the H200 (BENCHMARKS.md, twelfth session); not yet the default.
 
 P goes through shared memory into its wgmma and accumulators are scoped refs: the only forms
 the CPU interpreter runs in jax 0.11.2 (scripts/diag_mosaic_gpu.py), so CI tests this kernel.
@@ -451,7 +451,7 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
 
 def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
     """CTAs to launch for n_items (batch row, KV head, split) items."""
-    if ctas is None:  # an A/B knob until the GPU decides the default (BENCHMARKS.md), for
+    if ctas is None:  # an A/B knob until the engine's GPU tests run with it (BENCHMARKS.md), for
         # batches of 1.5+ items a CTA (fewer: a tail of CTAs running two items each)
         env = consumers == 1 and int(os.environ.get("FORKJAX_MGPU_CTAS") or 0)
         ctas = env if env and 2 * n_items >= 3 * env else n_items
