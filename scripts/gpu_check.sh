@@ -6,11 +6,7 @@
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
-#   kvw     the engine's Pallas-path tests, FORKJAX_KV_WRITE=mosaic kv_write_engine.log ~3 min
 #   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
-#   ab      bench_engine.py B=64 under the A/B knobs, one process   ab_<n>.json/log    ~5 min
-#           each: none, FORKJAX_MGPU_CTAS=132, FORKJAX_KV_WRITE=
-#           mosaic, both
 #   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
 #           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
 #           specialised, forced split-K, cuDNN GEMM fusions
@@ -32,9 +28,6 @@ for stage in "$@"; do
             tests/test_engine_pallas.py ;;
     mgpu)  # a hung kernel blocks the device for later commands: run Mosaic stages last
         run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py tests/test_kv_write.py ;;
-    kvw)  # the engine's Pallas path with the Mosaic K/V write kernel
-        FORKJAX_KV_WRITE=mosaic run 200 kv_write_engine.log python3 -m pytest -q \
-            tests/test_engine_pallas.py ;;
     mgpu_bench)
         timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels --mgpu: rc=$?"
@@ -56,22 +49,6 @@ for d in r["decode"]:
 print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
         ;;
-    ab)  # one process per variant (the knobs are read when the step is traced)
-        n=0
-        for variant in none ctas kvw both; do
-            n=$((n + 1))
-            unset FORKJAX_MGPU_CTAS FORKJAX_KV_WRITE
-            case $variant in ctas | both) export FORKJAX_MGPU_CTAS=132 ;; esac
-            case $variant in kvw | both) export FORKJAX_KV_WRITE=mosaic ;; esac
-            run 150 "ab_$n.log" python3 scripts/bench_engine.py --batches 64 --steps 12 \
-                --prefill-tokens 2048 --out "$OUT/ab_$n.json"
-            python3 - "$OUT/ab_$n.json" "$variant" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))["decode"][0]
-print(f"{sys.argv[2]}: B=64 step {d['step_ms']:.2f} ms = {d['ratio']:.2f}x roofline")
-PY
-        done
-        unset FORKJAX_MGPU_CTAS FORKJAX_KV_WRITE ;;
     gemm)  # the weak decode GEMMs (BENCHMARKS.md, tenth session) under other XLA options
         (cd scripts && PYTHONPATH=.. timeout 540 python3 diag_decode_gemms.py --out "$OUT" --m 64 \
             --cases "qkv + A fused,o,down" --options '[{}, {"xla_gpu_enable_triton_gemm": false},

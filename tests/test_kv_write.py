@@ -62,13 +62,13 @@ def test_supports_needs_16_byte_rows():
     assert not supports(pools._replace(res_k=pools.res_k[..., :4]))
 
 
-def test_engine_uses_the_kernel_only_on_a_gpu_when_selected(monkeypatch):
+def test_engine_uses_the_kernel_on_a_gpus_kernel_path(monkeypatch):
     from forkjax.engine import paged_attention as pa
     from forkjax.pallas_kernels import kv_write as kvw
     pools, *_ = _case(0, True, jnp.bfloat16)
+    monkeypatch.setattr(pa.jax, "default_backend", lambda: "cpu")
+    assert pa._kv_writer(True, pools) is write_kv  # off the GPU: XLA's scatters
     monkeypatch.setattr(pa.jax, "default_backend", lambda: "gpu")
-    monkeypatch.delenv("FORKJAX_KV_WRITE", raising=False)
-    assert pa._kv_writer(True, pools) is write_kv  # the default: XLA's scatters
-    monkeypatch.setenv("FORKJAX_KV_WRITE", "mosaic")
     assert pa._kv_writer(True, pools) is kvw.kv_write
     assert pa._kv_writer(False, pools) is write_kv  # the reference path stays the reference
+    assert pa._kv_writer(True, pools._replace(res_k=pools.res_k[..., :4])) is write_kv

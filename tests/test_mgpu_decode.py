@@ -163,16 +163,13 @@ def test_mgpu_fewer_ctas_than_items_needs_one_consumer():
                             interpret=INTERPRET)
 
 
-def test_mgpu_ctas_knob(monkeypatch):
-    """$FORKJAX_MGPU_CTAS applies to one-consumer kernels with 1.5+ items a CTA; ctas= always."""
-    from forkjax.pallas_kernels.mgpu_decode import _num_ctas
-    monkeypatch.delenv("FORKJAX_MGPU_CTAS", raising=False)
-    assert _num_ctas(512, None, 1) == 512 and _num_ctas(512, 132, 1) == 132
-    assert _num_ctas(100, 132, 1) == 100  # never more CTAs than items
-    monkeypatch.setenv("FORKJAX_MGPU_CTAS", "132")
-    assert _num_ctas(512, None, 1) == 132 and _num_ctas(198, None, 1) == 132
+def test_mgpu_default_ctas():
+    """One CTA per SM for one-consumer kernels with 1.5+ items an SM, else one per item."""
+    from forkjax.pallas_kernels.mgpu_decode import SMS, _num_ctas
+    assert _num_ctas(512, None, 1) == SMS and _num_ctas(198, None, 1) == SMS
     assert _num_ctas(136, None, 1) == 136  # B=1's split items: a CTA each
     assert _num_ctas(512, None, 2) == 512  # two consumers: one item a CTA
+    assert _num_ctas(512, 7, 1) == 7 and _num_ctas(100, 132, 1) == 100  # never more than items
 
 
 @pytest.mark.parametrize("residual,stages,consumers,ctas", [

@@ -10,14 +10,13 @@ addresses the pools by coordinates, so pools of over 2^31 elements are fine.
     pools   base [L, Hkv, P, S, D], residual [L, Pr, S, R] (forkjax.cache.pool)
     slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written
 
-Timed in the engine (B=64 decode 11.11 against 11.23 ms, BENCHMARKS.md, twelfth session), not
-yet its default: $FORKJAX_KV_WRITE=mosaic selects it on a GPU.
+The engine's Pallas path uses it on a GPU wherever `supports` holds (B=64 decode 11.11 against
+11.23 ms with XLA's scatters: BENCHMARKS.md, twelfth session).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -80,8 +79,3 @@ def kv_write(
     written = [r[...] for r in refs]
     return KVPools(*written) if residual else KVPools(*written, pools.res_k, pools.res_v)
 
-
-def selected() -> bool:
-    """$FORKJAX_KV_WRITE=mosaic: the engine writes K/V with this kernel on a GPU (an A/B knob
-    until the engine's tests have run with it on the GPU)."""
-    return os.environ.get("FORKJAX_KV_WRITE", "xla") == "mosaic"

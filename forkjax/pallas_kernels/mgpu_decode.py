@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -451,10 +450,9 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
 
 def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
     """CTAs to launch for n_items (batch row, KV head, split) items."""
-    if ctas is None:  # an A/B knob until the engine's GPU tests run with it (BENCHMARKS.md), for
-        # batches of 1.5+ items a CTA (fewer: a tail of CTAs running two items each)
-        env = consumers == 1 and int(os.environ.get("FORKJAX_MGPU_CTAS") or 0)
-        ctas = env if env and 2 * n_items >= 3 * env else n_items
+    if ctas is None:  # one CTA per SM from 1.5 items an SM (fewer: a tail of CTAs running two
+        # items each while the rest idle); B=64 decode -1.4% (BENCHMARKS.md, twelfth session)
+        ctas = SMS if consumers == 1 and 2 * n_items >= 3 * SMS else n_items
     n_ctas = max(1, min(ctas, n_items))
     if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
         raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
@@ -563,8 +561,8 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
 
     ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
     items in turn with one ring across them, so an item's first loads and its output stores
-    overlap the streaming of the item before and after. None: $FORKJAX_MGPU_CTAS if set and
-    there are 1.5+ items a CTA, else one CTA per item.
+    overlap the streaming of the item before and after. None: one CTA per SM where there are
+    1.5+ items an SM and one consumer, else one CTA per item.
     skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv" the
     O_r^T = rV^T P^T product.
     profile_dir: write a trace of the named scopes of each warpgroup there
