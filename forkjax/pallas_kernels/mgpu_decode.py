@@ -53,7 +53,8 @@ the items (one consumer only), CTA c runs items c, c + ctas, ... in turn, every 
 counting ring steps across them, so the producer streams the next item's first blocks while
 the consumer finishes the last one's. Meant for many short items (B=64, L=2k: 512 items of 32
 blocks, one CTA an SM, each paying the ring's fill and its output stores): 165 against 173 µs a
-layer in the engine on the H200 (BENCHMARKS.md, twelfth session); not yet the default.
+layer in the engine on the H200 (BENCHMARKS.md, twelfth session); the default from 1.5 items an
+SM.
 
 P goes through shared memory into its wgmma and accumulators are scoped refs: the only forms
 the CPU interpreter runs in jax 0.11.2 (scripts/diag_mosaic_gpu.py), so CI tests this kernel.
