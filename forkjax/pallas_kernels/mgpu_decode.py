@@ -71,6 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forkjax.pallas_kernels.decode_combine import residual_combine
 from forkjax.pallas_kernels.residual_attention import combine_splits
 from forkjax.pallas_kernels.rope import rope_cos_sin
 
@@ -519,6 +520,9 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
+    if residual and n_out == 1 and "rv" not in skip:  # one split: the epilogue as one kernel
+        return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=q.dtype,
+                                interpret=interpret)
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
     l = ml[:, :, :, 1, :G]
