@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode, mgpu_unified_decode
+from test_mgpu_operands import lower_for_h200
 from test_residual_attention import decode_case, np_attention, rel_err
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -190,5 +191,6 @@ def test_mgpu_lowers_for_cuda(residual, stages, consumers, ctas):
     else:
         fn = functools.partial(mgpu_unified_decode, stages=stages, consumers=consumers)
         args = (c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1))
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(fn, *args)
     assert "mosaic_gpu" in text
+    assert ("xla.gpu.triton" in text) == residual  # q's operands and (one split) the combine

@@ -24,7 +24,8 @@ halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
 so a 64-key block costs the K-LoRA warpgroup one [64, D] @ [D, G*R] wgmma and one element-wise
 product with rK repeated G times along columns (U), and the consumer sums over r inside its
 score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
-8k positions) stays in L2 and W is computed per call by XLA.
+8k positions) stays in L2 and W is computed per call by a Triton kernel (mgpu_operands.py,
+which also pads q, and runs the epilogue when there is one split).
 
 Status (H200, BENCHMARKS.md "Mosaic GPU residual decode", tenth session): B=32, L=8k residual
 ~322 us a call (the kernel 305) against the Triton unified kernel's ~256 and the Triton residual
@@ -71,7 +72,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forkjax.pallas_kernels.decode_combine import residual_combine
+from forkjax.pallas_kernels.mgpu_operands import (
+    query_operands,
+    query_operands_reference,
+    query_supported,
+    residual_combine,
+)
 from forkjax.pallas_kernels.residual_attention import combine_splits
 from forkjax.pallas_kernels.rope import rope_cos_sin
 
@@ -378,27 +384,19 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         over_items(one_item)
 
 
-def _k_lora_operands(qg, b_k, adapter_ids, inv_freq, n_blocks, n_q, dt):
-    """qg [B, Hkv, G, D] (the query heads of each KV head) -> W [B, Hkv, D, G*R],
-    E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the module docstring).
+def _k_lora_tables(G, R, inv_freq, n_blocks, n_q, dt):
+    """-> E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the module docstring; W comes from
+    `mgpu_operands.query_operands`).
 
     tab by angle addition (block start + offset, each from `rope_cos_sin`): 6 sin/cos per entry
     for every position cost 6 µs a call at 8k positions on the H200. (W^T, which XLA builds
     without transposing, made the kernel's K-LoRA product slower: 350 against 331 µs.)"""
-    B, Hkv, G, D = qg.shape
-    R, h = b_k.shape[1], D // 2
-    qg = qg.astype(jnp.float32)
-    bk = b_k[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D], as gathered
-    q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv|R, G|Hkv, D/2]
-    prod = functools.partial(jnp.einsum, "bhgj,brhj->bhjgr")
-    w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
-    w = w.reshape(B, Hkv, D, G * R)
     e_t = jnp.arange(G * R)[:, None] // R == jnp.arange(n_q)[None, :]
     c0, s0 = rope_cos_sin(jnp.arange(n_blocks) * BLOCK_K, inv_freq)  # [n_blocks, D/2] starts
     c1, s1 = rope_cos_sin(jnp.arange(BLOCK_K), inv_freq)  # [BLOCK_K, D/2] offsets
     c0, s0 = c0[:, None], s0[:, None]
     tab = jnp.concatenate([c0 * c1 - s0 * s1, s0 * c1 + c0 * s1], -1)  # cos | sin
-    return w.astype(dt), e_t.astype(dt), tab.astype(dt)
+    return e_t.astype(dt), tab.astype(dt)
 
 
 def _query_rows(G: int, residual: bool) -> int:
@@ -488,20 +486,24 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     dt = k_pages.dtype
     f32 = jnp.float32
     n_q = _query_rows(G, residual)
-    qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, n_q - G), (0, 0)))
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * math.log2(math.e)
     n_out = k_splits * consumers
     out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv) + ((D, n_q) if residual else (n_q, D)),
                                      f32),
                 jax.ShapeDtypeStruct((B, n_out, Hkv, 2, n_q), f32)]
+    if residual:  # q padded to n_q rows and W, from one Triton kernel where it has one
+        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
+        if query_supported(G, R, D):
+            qx, w = query_operands(q, b_k, adapter_ids, n_q=n_q, dtype=dt, interpret=interpret)
+        else:
+            qx, w = query_operands_reference(q, b_k, adapter_ids, n_q=n_q, dtype=dt)
+    else:
+        qx = jnp.pad(q.astype(dt).reshape(B, Hkv, G, D), ((0, 0), (0, 0), (0, n_q - G), (0, 0)))
     args = [qx, k_pages, v_pages, pad_pages(page_table), lengths.astype(jnp.int32),
             jnp.asarray(layer, jnp.int32).reshape(1)]
     if residual:
-        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
-        # W from qx's real rows, not from q: qx is then q's one consumer, and XLA can fuse the
-        # padding into whatever computes q (in the engine, its RoPE) instead of running both
-        args += [k_res, v_res, pad_pages(res_pages), *_k_lora_operands(
-            qx[:, :, :G], b_k, adapter_ids, inv_freq, mp // ppb, n_q, dt)]
+        args += [k_res, v_res, pad_pages(res_pages), w,
+                 *_k_lora_tables(G, R, inv_freq, mp // ppb, n_q, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
     n_wg = consumers + 1 + residual
     # the profiler's buffer: per warpgroup and range two events of two int32 entries

@@ -1,0 +1,155 @@
+"""The Mosaic residual decode's operands and epilogue as one Triton kernel each.
+
+Prologue (`query_operands`): the kernel reads the query heads of a KV head padded to NQ rows and
+the K-LoRA operand W [D, G*R] (mgpu_decode.py's docstring) built from those heads and the
+request's B_k. In XLA that was a pad, a transpose and a concatenation, 8.4 us of every layer of
+a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session); here one program per
+(request, KV head) loads q's G rows and B_k's halves once and writes both.
+
+    q       [B, Hkv * G, D]      RoPE applied
+    b_k     [N, R, Hkv, D]       every adapter slot's B_k
+    qx      [B, Hkv, NQ, D]      q's G heads, zero rows after
+    w       [B, Hkv, D, G * R]   W[j, g*R + r] = q1_j b1_j + q2_j b2_j,
+                                 W[D/2 + j, g*R + r] = q2_j b1_j - q1_j b2_j (q_g, b_r halves)
+
+Epilogue (`residual_combine`), for one split-K split (large batches):
+the Mosaic residual decode leaves its accumulators transposed, O^T [D, NQ] and
+O_r^T [.., NQ] (row R: the softmax denominator l), with the G real query heads in the first
+columns. The output is O = (O^T + B_v^T O_r^T)^T / l per (request, KV head), B_v the request's
+adapter's. As XLA ops that was a fusion and a transpose kernel, 6.4 us of every layer of a B=64
+decode step on the H200 (BENCHMARKS.md, twelfth session); here one program per (request, KV head)
+reads its tiles once, applies B_v as R multiply-adds in float32 and writes [G, D] in the output
+dtype.
+
+    o_t     [B, 1, Hkv, D, NQ]   float32, O^T of the one split
+    or_t    [B, 1, Hkv, RB, NQ]  float32, O_r^T (rows R+1.. unused; RB >= R + 1)
+    b_v     [N, R, Hkv, D]       every adapter slot's B_v
+    adapter_ids [B] int32
+    out     [B, Hkv * G, D]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from forkjax.pallas_kernels.residual_attention import combine_splits
+
+
+def _query_kernel(ids_ref, q_ref, bk_ref, qx_ref, w_ref, *, groups: int, rank: int):
+    b, h = pl.program_id(0), pl.program_id(1)
+    aid = ids_ref[b]
+    n_q, d = qx_ref.shape
+    half = d // 2
+    dt = qx_ref.dtype
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    # B_k's halves as columns [D/2, R] (rows from the ref: Triton lowers no slice of a value)
+    b1, b2 = (bk_ref[aid, :, h, part].astype(jnp.float32).T for part in (lo, hi))
+    rows = lax.broadcasted_iota(jnp.int32, (n_q, d), 0)
+    qx = jnp.zeros((n_q, d), jnp.float32)
+    for g in range(groups):
+        # q rounded to the pools' dtype first: W is built from the rows the kernel reads
+        q1, q2 = (q_ref[g, part].astype(dt).astype(jnp.float32)[:, None] for part in (lo, hi))
+        cols = pl.ds(g * rank, rank)
+        w_ref[lo, cols] = (q1 * b1 + q2 * b2).astype(dt)
+        w_ref[hi, cols] = (q2 * b1 - q1 * b2).astype(dt)
+        qx = jnp.where(rows == g, q_ref[g, :].astype(dt).astype(jnp.float32)[None, :], qx)
+    qx_ref[...] = qx.astype(dt)
+
+
+def query_supported(groups: int, rank: int, head_dim: int) -> bool:
+    """Triton's power-of-two blocks (else the XLA reference runs)."""
+    return all(x & (x - 1) == 0 for x in (groups, rank, head_dim)) and head_dim >= 32
+
+
+@functools.partial(jax.jit, static_argnames=("n_q", "dtype", "interpret"))
+def query_operands(q, b_k, adapter_ids, *, n_q: int, dtype, interpret=False):
+    """q [B, Hq, D], b_k [N, R, Hkv, D] -> qx [B, Hkv, n_q, D], W [B, Hkv, D, G*R] in `dtype`
+    (see the module docstring)."""
+    B, Hq, D = q.shape
+    _, R, Hkv, _ = b_k.shape
+    G = Hq // Hkv
+    if not query_supported(G, R, D) or n_q < G:
+        raise ValueError(f"query_operands: no kernel for G={G} R={R} D={D} n_q={n_q}")
+    qx, w = pl.pallas_call(
+        functools.partial(_query_kernel, groups=G, rank=R),
+        grid=(B, Hkv),
+        in_specs=[pl.BlockSpec((B,), lambda b, h: (0,)),
+                  pl.BlockSpec((None, None, G, D), lambda b, h: (b, h, 0, 0)),
+                  pl.BlockSpec(b_k.shape, lambda b, h: (0, 0, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, n_q, D), lambda b, h: (b, h, 0, 0)),
+                   pl.BlockSpec((None, None, D, G * R), lambda b, h: (b, h, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, n_q, D), dtype),
+                   jax.ShapeDtypeStruct((B, Hkv, D, G * R), dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="residual_query_operands",
+    )(adapter_ids.astype(jnp.int32), q.reshape(B, Hkv, G, D), b_k)
+    return qx, w
+
+
+def query_operands_reference(q, b_k, adapter_ids, *, n_q: int, dtype):
+    """The same in XLA ops."""
+    B, Hq, D = q.shape
+    _, R, Hkv, _ = b_k.shape
+    G, h = Hq // Hkv, D // 2
+    qg = q.astype(dtype).reshape(B, Hkv, G, D)
+    qx = jnp.pad(qg, ((0, 0), (0, 0), (0, n_q - G), (0, 0)))
+    qg = qg.astype(jnp.float32)
+    bk = b_k[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D], as gathered
+    q1, q2, b1, b2 = qg[..., :h], qg[..., h:], bk[..., :h], bk[..., h:]  # [B, Hkv|R, G|Hkv, D/2]
+    prod = functools.partial(jnp.einsum, "bhgj,brhj->bhjgr")
+    w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
+    return qx, w.reshape(B, Hkv, D, G * R).astype(dtype)
+
+
+def _combine_kernel(ids_ref, o_ref, or_ref, bv_ref, out_ref, *, groups: int, rank: int):
+    b, h = pl.program_id(0), pl.program_id(1)
+    g = pl.ds(0, groups)
+    aid = ids_ref[b]
+    acc = o_ref[:, g].T  # [G, D]
+    for r in range(rank):  # row by row from the refs (Triton lowers no slice of a value)
+        acc += or_ref[r, g][:, None] * bv_ref[aid, r, h, :].astype(jnp.float32)[None, :]
+    l = or_ref[rank, g]
+    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("groups", "dtype", "interpret"))
+def residual_combine(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, interpret=False):
+    """-> [B, Hkv * groups, D] in `dtype` (see the module docstring)."""
+    B, splits, Hkv, D, NQ = o_t.shape
+    R = b_v.shape[1]
+    rows = pl.next_power_of_2(R + 1)
+    if splits != 1 or or_t.shape[3] < rows or groups > NQ:
+        raise ValueError(f"residual_combine: one split and R + 1 <= O_r^T rows, got o_t "
+                         f"{o_t.shape}, or_t {or_t.shape}, R={R}, groups={groups}")
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, groups=groups, rank=R),
+        grid=(B, Hkv),
+        in_specs=[pl.BlockSpec((B,), lambda b, h: (0,)),
+                  pl.BlockSpec((None, None, None, D, NQ), lambda b, h: (b, 0, h, 0, 0)),
+                  pl.BlockSpec((None, None, None, rows, NQ), lambda b, h: (b, 0, h, 0, 0)),
+                  pl.BlockSpec(b_v.shape, lambda b, h: (0, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, groups, D), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, groups, D), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="residual_combine",
+    )(adapter_ids.astype(jnp.int32), o_t, or_t, b_v)
+    return out.reshape(B, Hkv * groups, D)
+
+
+def residual_combine_reference(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype):
+    """The same in XLA ops (any number of splits: m, unused with one, is taken as 0)."""
+    B, splits, Hkv, D, _ = o_t.shape
+    R = b_v.shape[1]
+    o, o_r = o_t[..., :groups].swapaxes(-1, -2), or_t[..., :R, :groups].swapaxes(-1, -2)
+    bv = b_v[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
+    m = jnp.zeros(o.shape[:-1], jnp.float32)
+    out = combine_splits(o, m, or_t[..., R, :groups], o_r, bv)
+    return out.reshape(B, Hkv * groups, D).astype(dtype)

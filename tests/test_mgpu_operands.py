@@ -1,0 +1,141 @@
+"""The Mosaic residual decode's Triton operand and epilogue kernels (pallas_kernels/
+mgpu_operands.py) against float64 numpy and against their XLA references: interpreted on the
+CPU, compiled on a GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+
+from forkjax.pallas_kernels.mgpu_operands import (
+    query_operands,
+    query_operands_reference,
+    query_supported,
+    residual_combine,
+    residual_combine_reference,
+)
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO text of fn(*args) lowered for CUDA, on any machine: Triton's lowering asks for
+    the GPU's kind, which an abstract device gives off the GPU."""
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _case(seed, B=3, Hkv=2, D=64, NQ=16, RB=64, R=16, N=5):
+    rng = np.random.default_rng(seed)
+    o_t = rng.standard_normal((B, 1, Hkv, D, NQ)).astype(np.float32)
+    or_t = rng.standard_normal((B, 1, Hkv, RB, NQ)).astype(np.float32)
+    or_t[..., R, :] = rng.uniform(0.5, 3.0, (B, 1, Hkv, NQ))  # l
+    or_t[0, 0, 1, R, 2] = 0.0  # l = 0 (a row no key reached): divided by 1, not NaN
+    b_v = rng.standard_normal((N, R, Hkv, D)).astype(np.float32)
+    ids = rng.permutation(N)[:B].astype(np.int32)  # requests of shuffled adapter slots
+    return o_t, or_t, b_v, ids
+
+
+def _want(o_t, or_t, b_v, ids, G):
+    """O = (O^T + B_v^T O_r^T)^T / l, float64."""
+    B, _, Hkv, D, _ = o_t.shape
+    R = b_v.shape[1]
+    ot, ort, bv = (np.asarray(a, np.float64) for a in (o_t, or_t, b_v))
+    out = np.zeros((B, Hkv, G, D))
+    for b in range(B):
+        for h in range(Hkv):
+            l = ort[b, 0, h, R, :G]
+            lora = ort[b, 0, h, :R, :G].T @ bv[ids[b], :, h, :]
+            out[b, h] = (ot[b, 0, h, :, :G].T + lora) / np.where(l > 0, l, 1.0)[:, None]
+    return out.reshape(B, Hkv * G, D)
+
+
+@pytest.mark.parametrize("G,R,RB,D,dtype", [(4, 16, 64, 64, jnp.float32),
+                                            (8, 32, 64, 128, jnp.bfloat16),
+                                            (2, 16, 32, 64, jnp.float16)])
+def test_residual_combine(G, R, RB, D, dtype):
+    o_t, or_t, b_v, ids = _case(G + R, R=R, RB=RB, D=D)
+    want = _want(o_t, or_t, np.asarray(jnp.asarray(b_v, dtype), np.float32), ids, G)
+    args = (jnp.asarray(o_t), jnp.asarray(or_t), jnp.asarray(b_v, dtype), jnp.asarray(ids))
+    got = residual_combine(*args, groups=G, dtype=dtype, interpret=INTERPRET)
+    ref = residual_combine_reference(*args, groups=G, dtype=dtype)
+    assert got.shape == (3, 2 * G, D) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # one rounding of the output
+    for out in (got, ref):
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
+
+
+def test_residual_combine_rejects_what_it_cannot_do():
+    o_t, or_t, b_v, ids = _case(0)
+    with pytest.raises(ValueError, match="one split"):  # two splits
+        residual_combine(jnp.asarray(np.concatenate([o_t, o_t], 1)), jnp.asarray(or_t),
+                         jnp.asarray(b_v), jnp.asarray(ids), groups=4, dtype=jnp.float32,
+                         interpret=INTERPRET)
+    with pytest.raises(ValueError, match="one split"):  # R + 1 = 17 rows of O_r^T needed
+        residual_combine(jnp.asarray(o_t), jnp.asarray(or_t[..., :16, :]), jnp.asarray(b_v),
+                         jnp.asarray(ids), groups=4, dtype=jnp.float32, interpret=INTERPRET)
+
+
+def _want_query(q, b_k, ids, n_q, dtype):
+    """qx, W (mgpu_operands' docstring) in float64 from q rounded to `dtype`."""
+    B, Hq, D = q.shape
+    _, R, Hkv, _ = b_k.shape
+    G, h = Hq // Hkv, D // 2
+    qg = np.asarray(jnp.asarray(q, dtype), np.float64).reshape(B, Hkv, G, D)
+    qx = np.zeros((B, Hkv, n_q, D))
+    qx[:, :, :G] = qg
+    w = np.zeros((B, Hkv, D, G * R))
+    for b in range(B):
+        for kv in range(Hkv):
+            bk = np.asarray(b_k, np.float64)[ids[b], :, kv]  # [R, D]
+            for g in range(G):
+                q1, q2 = qg[b, kv, g, :h, None], qg[b, kv, g, h:, None]
+                cols = slice(g * R, (g + 1) * R)
+                w[b, kv, :h, cols] = q1 * bk[:, :h].T + q2 * bk[:, h:].T
+                w[b, kv, h:, cols] = q2 * bk[:, :h].T - q1 * bk[:, h:].T
+    return qx, w
+
+
+@pytest.mark.parametrize("G,R,D,n_q,dtype", [(4, 16, 128, 16, jnp.bfloat16),
+                                             (8, 32, 64, 16, jnp.float16),
+                                             (2, 16, 64, 16, jnp.float32)])
+def test_query_operands(G, R, D, n_q, dtype):
+    rng = np.random.default_rng(G * R)
+    B, Hkv, N = 3, 2, 5
+    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.float32)
+    b_k = jnp.asarray(rng.standard_normal((N, R, Hkv, D)), dtype)
+    ids = rng.permutation(N)[:B].astype(np.int32)  # requests of shuffled adapter slots
+    want_qx, want_w = _want_query(q, b_k, ids, n_q, dtype)
+    got = query_operands(q, b_k, jnp.asarray(ids), n_q=n_q, dtype=dtype, interpret=INTERPRET)
+    ref = query_operands_reference(q, b_k, jnp.asarray(ids), n_q=n_q, dtype=dtype)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # one rounding of W
+    for qx, w in (got, ref):
+        assert qx.dtype == w.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(qx, np.float64), want_qx)  # exact copies
+        np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=tol, atol=tol)
+
+
+def test_query_operands_rejects_what_it_cannot_do():
+    assert query_supported(4, 16, 128) and not query_supported(3, 16, 128)
+    q, b_k = jnp.zeros((2, 6, 64)), jnp.zeros((3, 16, 2, 64))  # G = 3
+    with pytest.raises(ValueError, match="no kernel for G=3"):
+        query_operands(q, b_k, jnp.zeros(2, jnp.int32), n_q=16, dtype=jnp.float32,
+                       interpret=INTERPRET)
+
+
+def test_kernels_lower_for_cuda():
+    """Triton lowering at the Llama-3-8B shape on any machine (the interpreter cannot see what
+    Triton does not lower, a slice of a value for one)."""
+    S = jax.ShapeDtypeStruct
+    ids, b = S((64,), jnp.int32), S((9, 16, 8, 128), jnp.bfloat16)
+    text = lower_for_h200(functools.partial(query_operands, n_q=16, dtype=jnp.bfloat16),
+                          S((64, 32, 128), jnp.bfloat16), b, ids)
+    text += lower_for_h200(functools.partial(residual_combine, groups=4, dtype=jnp.bfloat16),
+                           S((64, 1, 8, 128, 16), jnp.float32), S((64, 1, 8, 64, 16),
+                                                                   jnp.float32), b, ids)
+    assert text.count("xla.gpu.triton") == 2
