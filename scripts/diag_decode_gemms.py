@@ -4,8 +4,8 @@
         [--options '{"xla_gpu_enable_triton_gemm": false}']   # extra XLA compiler options
         [--options '[{}, {"xla_gpu_enable_triton_gemm": false}]']   # or a list: each in turn
         [--splits 1,2,4]   # split-K by hand: weights stored [S, out, in/S], one batched GEMM
-        [--mgpu '128,64,4,3;64,64,2,4']   # also the Mosaic GPU skinny_matmul with these
-                                         # block_n,block_k,k_splits,stages[,1: warp-specialised]
+        [--skinny '128,128,1,4;64,128,2,4']   # also the Triton skinny_matmul with these
+                                         # block_n,block_k,k_splits,num_stages
 
 At the Llama-3-8B shapes (d 4096, q 4096, kv 1024, ffn 14336), bf16, M = 1, 16, 64 tokens: the
 time of one layer's projections as the engine runs them (q, k, v, gate, up separately) against
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import time_ms  # scripts/ is on sys.path when this script runs
-from forkjax.pallas_kernels.mgpu_matmul import skinny_matmul
+from forkjax.pallas_kernels.skinny_matmul import skinny_matmul
 
 D, Q, KV, F, NR = 4096, 4096, 1024, 14336, 128
 LAYERS = 8
@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--m", default="1,16,64", help="token counts")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--splits", default="1", help="split-K factors (1: the plain GEMM)")
-    ap.add_argument("--mgpu", default="", help="skinny_matmul configs, ';'-separated")
+    ap.add_argument("--skinny", default="", help="skinny_matmul configs, ';'-separated")
     ap.add_argument("--options", default="{}",
                     help="JSON dict of XLA compiler options, or a list of them (each in turn)")
     args = ap.parse_args()
@@ -89,17 +89,17 @@ def main():
     for seed, (name, (shapes, d_in)) in enumerate(CASES.items()):
         if name not in cases:
             continue
-        for cfg in filter(None, args.mgpu.split(";")):
+        for cfg in filter(None, args.skinny.split(";")):
             if len(shapes) > 1:
                 continue
-            bn, bk, ks, st, *ws = map(int, cfg.split(","))
+            bn, bk, ks, st = map(int, cfg.split(","))
             mult = functools.partial(skinny_matmul, block_n=bn, block_k=bk, k_splits=ks,
-                                     stages=st, ws=bool(ws and ws[0]))
+                                     num_stages=st)
             ws = weights(shapes, seed)
             nbytes = ws[0][0].nbytes
             for m in map(int, args.m.split(",")):
                 x = jax.random.normal(jax.random.key(99), (m, d_in), jnp.bfloat16)
-                row = dict(case=name, m=m, mgpu=cfg, mb=round(nbytes / 1e6, 1))
+                row = dict(case=name, m=m, skinny=cfg, mb=round(nbytes / 1e6, 1))
                 f = jax.jit(lambda x, ws: [[mult(x, w).astype(x.dtype) for w in layer]
                                            for layer in ws])
                 try:
