@@ -4,8 +4,6 @@
         [--options '{"xla_gpu_enable_triton_gemm": false}']   # extra XLA compiler options
         [--options '[{}, {"xla_gpu_enable_triton_gemm": false}]']   # or a list: each in turn
         [--splits 1,2,4]   # split-K by hand: weights stored [S, out, in/S], one batched GEMM
-        [--skinny '128,128,1,4;64,128,2,4']   # also the Triton skinny_matmul with these
-                                         # block_n,block_k,k_splits,num_stages
 
 At the Llama-3-8B shapes (d 4096, q 4096, kv 1024, ffn 14336), bf16, M = 1, 16, 64 tokens: the
 time of one layer's projections as the engine runs them (q, k, v, gate, up separately) against
@@ -17,7 +15,6 @@ weight is served from L2. CUPTI kernel time per layer and achieved TB/s. Not a b
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 
@@ -25,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from bench_kernels import time_ms  # scripts/ is on sys.path when this script runs
-from forkjax.pallas_kernels.skinny_matmul import skinny_matmul
 
 D, Q, KV, F, NR = 4096, 4096, 1024, 14336, 128
 LAYERS = 8
@@ -76,7 +72,6 @@ def main():
     ap.add_argument("--m", default="1,16,64", help="token counts")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--splits", default="1", help="split-K factors (1: the plain GEMM)")
-    ap.add_argument("--skinny", default="", help="skinny_matmul configs, ';'-separated")
     ap.add_argument("--options", default="{}",
                     help="JSON dict of XLA compiler options, or a list of them (each in turn)")
     args = ap.parse_args()
@@ -89,32 +84,6 @@ def main():
     for seed, (name, (shapes, d_in)) in enumerate(CASES.items()):
         if name not in cases:
             continue
-        for cfg in filter(None, args.skinny.split(";")):
-            if len(shapes) > 1:
-                continue
-            bn, bk, ks, st = map(int, cfg.split(","))
-            mult = functools.partial(skinny_matmul, block_n=bn, block_k=bk, k_splits=ks,
-                                     num_stages=st)
-            ws = weights(shapes, seed)
-            nbytes = ws[0][0].nbytes
-            for m in map(int, args.m.split(",")):
-                x = jax.random.normal(jax.random.key(99), (m, d_in), jnp.bfloat16)
-                row = dict(case=name, m=m, skinny=cfg, mb=round(nbytes / 1e6, 1))
-                f = jax.jit(lambda x, ws: [[mult(x, w).astype(x.dtype) for w in layer]
-                                           for layer in ws])
-                try:
-                    want = dot(x, ws[0][0]).astype(jnp.float32)
-                    err = float(jnp.abs(f(x, ws)[0][0].astype(jnp.float32) - want).max())
-                    ms, how = time_ms(f, (x, ws))
-                except Exception as e:  # noqa: BLE001  (a config with no kernel)
-                    row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-                else:
-                    us = ms * 1e3 / LAYERS
-                    row.update(us_per_layer=round(us, 2), timing=how, max_err=err,
-                               tbps=round(nbytes / (us * 1e-6) / 1e12, 2))
-                print(json.dumps(row), flush=True)
-                results.append(row)
-            del ws
         for split in map(int, args.splits.split(",")):
             ws = weights(shapes, seed, split)
             nbytes = sum(w.nbytes for w in ws[0])
