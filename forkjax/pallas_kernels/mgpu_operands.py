@@ -48,17 +48,17 @@ def _query_kernel(ids_ref, q_ref, bk_ref, qx_ref, w_ref, *, groups: int, rank: i
     half = d // 2
     dt = qx_ref.dtype
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    # B_k's halves as columns [D/2, R] (rows from the ref: Triton lowers no slice of a value)
-    b1, b2 = (bk_ref[aid, :, h, part].astype(jnp.float32).T for part in (lo, hi))
+    f32 = jnp.float32
+    # halves as columns: q's [D/2, G] (rounded to the pools' dtype first: W is built from the
+    # rows the kernel reads), B_k's [D/2, R]; from the refs (Triton lowers no slice of a value)
+    q1, q2 = (q_ref[:, part].astype(dt).astype(f32).T[:, :, None] for part in (lo, hi))
+    b1, b2 = (bk_ref[aid, :, h, part].astype(f32).T[:, None, :] for part in (lo, hi))
+    w_ref[lo, :] = (q1 * b1 + q2 * b2).reshape(half, groups * rank).astype(dt)
+    w_ref[hi, :] = (q2 * b1 - q1 * b2).reshape(half, groups * rank).astype(dt)
     rows = lax.broadcasted_iota(jnp.int32, (n_q, d), 0)
-    qx = jnp.zeros((n_q, d), jnp.float32)
+    qx = jnp.zeros((n_q, d), f32)
     for g in range(groups):
-        # q rounded to the pools' dtype first: W is built from the rows the kernel reads
-        q1, q2 = (q_ref[g, part].astype(dt).astype(jnp.float32)[:, None] for part in (lo, hi))
-        cols = pl.ds(g * rank, rank)
-        w_ref[lo, cols] = (q1 * b1 + q2 * b2).astype(dt)
-        w_ref[hi, cols] = (q2 * b1 - q1 * b2).astype(dt)
-        qx = jnp.where(rows == g, q_ref[g, :].astype(dt).astype(jnp.float32)[None, :], qx)
+        qx = jnp.where(rows == g, q_ref[g, :].astype(dt).astype(f32)[None, :], qx)
     qx_ref[...] = qx.astype(dt)
 
 
@@ -112,9 +112,9 @@ def _combine_kernel(ids_ref, o_ref, or_ref, bv_ref, out_ref, *, groups: int, ran
     b, h = pl.program_id(0), pl.program_id(1)
     g = pl.ds(0, groups)
     aid = ids_ref[b]
-    acc = o_ref[:, g].T  # [G, D]
-    for r in range(rank):  # row by row from the refs (Triton lowers no slice of a value)
-        acc += or_ref[r, g][:, None] * bv_ref[aid, r, h, :].astype(jnp.float32)[None, :]
+    o_r = or_ref[pl.ds(0, rank), g]  # [R, G]
+    bv = bv_ref[aid, :, h, :].astype(jnp.float32)  # [R, D]
+    acc = o_ref[:, g].T + jnp.sum(o_r[:, :, None] * bv[:, None, :], axis=0)  # [G, D]
     l = or_ref[rank, g]
     out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
 
