@@ -118,6 +118,7 @@ def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, lay
     ([1, 37, 130, 64], 4, 64, 16, None, 2, 2, False, None),  # k_splits None: 3, one per block
     ([200, 16, 513], 8, 128, 16, 1, 2, 1, True, 4),
     ([700, 90], 1, 128, 32, 3, 3, 1, False, None),
+    ([300, 90, 1], 12, 64, 16, 1, 3, 1, False, None),  # G = 12: the XLA operands and epilogue
     ([700, 90, 1], 4, 64, 16, 3, 3, 1, False, 5),
     # 3 stages on the GPU; interpreted, with fewer CTAs than items this shape deadlocked at 3
     # in every run (0 % CPU, the hang `isolated` describes), never at 2
@@ -153,6 +154,14 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
             jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
             jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), stages=stages,
             consumers=consumers, interpret=INTERPRET)
+
+
+def test_mgpu_supports_only_swizzled_u_widths():
+    """U is [64, G*R] in shared memory: its rows must be 32, 64 or a multiple of 128 bytes."""
+    from forkjax.pallas_kernels.mgpu_decode import supports
+    assert supports(32, 8, 128, 16, 16, jnp.bfloat16) and supports(96, 8, 64, 16, 16, jnp.bfloat16)
+    assert not supports(24, 8, 64, 16, 16, jnp.bfloat16)  # G = 3: rows of 96 bytes
+    assert not supports(40, 8, 64, 16, 16, jnp.bfloat16)  # G = 5: 160 bytes
 
 
 def test_mgpu_fewer_ctas_than_items_needs_one_consumer():

@@ -13,9 +13,9 @@ from jax._src.mesh import AbstractDevice
 from forkjax.pallas_kernels.mgpu_operands import (
     query_operands,
     query_operands_reference,
-    query_supported,
     residual_combine,
     residual_combine_reference,
+    supported,
 )
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -121,7 +121,7 @@ def test_query_operands(G, R, D, n_q, dtype):
 
 
 def test_query_operands_rejects_what_it_cannot_do():
-    assert query_supported(4, 16, 128) and not query_supported(3, 16, 128)
+    assert supported(4, 16, 128) and not supported(3, 16, 128)
     q, b_k = jnp.zeros((2, 6, 64)), jnp.zeros((3, 16, 2, 64))  # G = 3
     with pytest.raises(ValueError, match="no kernel for G=3"):
         query_operands(q, b_k, jnp.zeros(2, jnp.int32), n_q=16, dtype=jnp.float32,

@@ -75,8 +75,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forkjax.pallas_kernels.mgpu_operands import (
     query_operands,
     query_operands_reference,
-    query_supported,
     residual_combine,
+    supported,
 )
 from forkjax.pallas_kernels.residual_attention import combine_splits
 from forkjax.pallas_kernels.rope import rope_cos_sin
@@ -491,9 +491,10 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv) + ((D, n_q) if residual else (n_q, D)),
                                      f32),
                 jax.ShapeDtypeStruct((B, n_out, Hkv, 2, n_q), f32)]
-    if residual:  # q padded to n_q rows and W, from one Triton kernel where it has one
+    triton_ops = residual and supported(G, R, D)  # the operand and epilogue kernels
+    if residual:  # q padded to n_q rows and W
         k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
-        if query_supported(G, R, D):
+        if triton_ops:
             qx, w = query_operands(q, b_k, adapter_ids, n_q=n_q, dtype=dt, interpret=interpret)
         else:
             qx, w = query_operands_reference(q, b_k, adapter_ids, n_q=n_q, dtype=dt)
@@ -522,7 +523,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
-    if residual and n_out == 1 and "rv" not in skip:  # one split: the epilogue as one kernel
+    if triton_ops and n_out == 1 and "rv" not in skip:  # one split: the epilogue as one kernel
         return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=q.dtype,
                                 interpret=interpret)
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
@@ -543,6 +544,7 @@ def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool
     G = Hq // Hkv
     return (page_size == PAGE and D in (64, 128) and G <= ROWS and R in (0, 16, 32)
             and G * R <= 256  # U's width: a wgmma N
+            and (G * R in (16, 32) or G * R % 64 == 0)  # U's swizzle: 32, 64 or 128 bytes
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
@@ -564,7 +566,7 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
                          consumers: int = 1, interpret: bool = False, skip: tuple = (),
                          profile_dir: str = ""):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
-    or 32, D 64 or 128, G * R <= 256, bf16/f16) -> [B, Hq, D].
+    or 32, D 64 or 128, G * R 16, 32, 64, 128, 192 or 256, bf16/f16) -> [B, Hq, D].
 
     ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
     items in turn with one ring across them, so an item's first loads and its output stores

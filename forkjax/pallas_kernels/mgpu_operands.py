@@ -18,8 +18,8 @@ O_r^T [.., NQ] (row R: the softmax denominator l), with the G real query heads i
 columns. The output is O = (O^T + B_v^T O_r^T)^T / l per (request, KV head), B_v the request's
 adapter's. As XLA ops that was a fusion and a transpose kernel, 6.4 us of every layer of a B=64
 decode step on the H200 (BENCHMARKS.md, twelfth session); here one program per (request, KV head)
-reads its tiles once, applies B_v as R multiply-adds in float32 and writes [G, D] in the output
-dtype.
+reads its tiles once, applies B_v in float32 as a broadcast product summed over R, and writes
+[G, D] in the output dtype.
 
     o_t     [B, 1, Hkv, D, NQ]   float32, O^T of the one split
     or_t    [B, 1, Hkv, RB, NQ]  float32, O_r^T (rows R+1.. unused; RB >= R + 1)
@@ -62,9 +62,9 @@ def _query_kernel(ids_ref, q_ref, bk_ref, qx_ref, w_ref, *, groups: int, rank: i
     qx_ref[...] = qx.astype(dt)
 
 
-def query_supported(groups: int, rank: int, head_dim: int) -> bool:
-    """Triton's power-of-two blocks (else the XLA reference runs)."""
-    return all(x & (x - 1) == 0 for x in (groups, rank, head_dim)) and head_dim >= 32
+def supported(groups: int, rank: int, head_dim: int) -> bool:
+    """Both kernels need Triton's power-of-two blocks (else the XLA references run)."""
+    return all(x & (x - 1) == 0 for x in (groups, rank, head_dim))
 
 
 @functools.partial(jax.jit, static_argnames=("n_q", "dtype", "interpret"))
@@ -74,7 +74,7 @@ def query_operands(q, b_k, adapter_ids, *, n_q: int, dtype, interpret=False):
     B, Hq, D = q.shape
     _, R, Hkv, _ = b_k.shape
     G = Hq // Hkv
-    if not query_supported(G, R, D) or n_q < G:
+    if not supported(G, R, D) or n_q < G:
         raise ValueError(f"query_operands: no kernel for G={G} R={R} D={D} n_q={n_q}")
     qx, w = pl.pallas_call(
         functools.partial(_query_kernel, groups=G, rank=R),
@@ -125,9 +125,9 @@ def residual_combine(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, interpr
     B, splits, Hkv, D, NQ = o_t.shape
     R = b_v.shape[1]
     rows = pl.next_power_of_2(R + 1)
-    if splits != 1 or or_t.shape[3] < rows or groups > NQ:
-        raise ValueError(f"residual_combine: one split and R + 1 <= O_r^T rows, got o_t "
-                         f"{o_t.shape}, or_t {or_t.shape}, R={R}, groups={groups}")
+    if splits != 1 or or_t.shape[3] < rows or groups > NQ or not supported(groups, R, D):
+        raise ValueError(f"residual_combine: one split, R + 1 <= O_r^T rows and powers of two, "
+                         f"got o_t {o_t.shape}, or_t {or_t.shape}, R={R}, groups={groups}")
     out = pl.pallas_call(
         functools.partial(_combine_kernel, groups=groups, rank=R),
         grid=(B, Hkv),
@@ -145,8 +145,8 @@ def residual_combine(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, interpr
 
 
 def residual_combine_reference(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype):
-    """The same in XLA ops (any number of splits: m, unused with one, is taken as 0)."""
-    B, splits, Hkv, D, _ = o_t.shape
+    """The same in XLA ops (one split: the running max m is not needed)."""
+    B, _, Hkv, D, _ = o_t.shape
     R = b_v.shape[1]
     o, o_r = o_t[..., :groups].swapaxes(-1, -2), or_t[..., :R, :groups].swapaxes(-1, -2)
     bv = b_v[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
