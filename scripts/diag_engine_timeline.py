@@ -99,13 +99,15 @@ def summarise(trace: dict, gap_us: float) -> dict:
 def one_layer(kernels, t0) -> list:
     """The kernels from one attention kernel to the next (a decoder layer, in the middle of a
     step): (start µs from the step's launch, name, µs, idle µs before it). The attention kernel
-    is the costliest kernel name among those that run a multiple-of-the-layer-count times."""
+    is the costliest kernel name's calls of at least half its longest call (Mosaic GPU kernels
+    all share one name: the K/V write is another)."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
     totals = collections.Counter()
     for e in kernels:
         totals[e["name"]] += e["dur"]
     attn = max(totals, key=totals.get)
-    at = [i for i, e in enumerate(kernels) if e["name"] == attn]
+    longest = max(e["dur"] for e in kernels if e["name"] == attn)
+    at = [i for i, e in enumerate(kernels) if e["name"] == attn and e["dur"] >= longest / 2]
     if len(at) < 4:
         return []
     lo, hi = at[2], at[3]
