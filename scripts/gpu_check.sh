@@ -24,10 +24,11 @@ run() {  # run <seconds> <log name> <command...>: time-boxed, log under $OUT, on
 for stage in "$@"; do
     case $stage in
     tests)
-        run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py tests/test_mgpu_operands.py \
-            tests/test_engine_pallas.py ;;
+        run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py \
+            tests/test_mgpu_operands.py tests/test_engine_pallas.py ;;
     mgpu)  # a hung kernel blocks the device for later commands: run Mosaic stages last
-        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py tests/test_kv_write.py ;;
+        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py \
+            tests/test_kv_write.py ;;
     mgpu_bench)
         timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels --mgpu: rc=$?"
