@@ -34,7 +34,8 @@ def dot(x, w):  # x [M, in], w [out, in] -> [M, out], as forkjax.models.layers.l
 
 def split_dot(x, w):
     """x [M, in], w [S, out, in/S] -> [M, out]: split-K as a batched GEMM of S partial products
-    (float32), summed (XLA fuses the sum into the consumers)."""
+    (float32), summed (here a kernel of its own, timed with the GEMM; in a model XLA could fuse
+    it into the consumer)."""
     s, m = w.shape[0], x.shape[0]
     xs = x.reshape(m, s, -1).swapaxes(0, 1)  # [S, M, in/S]
     y = jax.lax.dot_general(xs, w, (((2,), (2,)), ((0,), (0,))),
