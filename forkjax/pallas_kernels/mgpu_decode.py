@@ -76,6 +76,7 @@ from forkjax.pallas_kernels.mgpu_operands import (
     query_operands,
     query_operands_reference,
     residual_combine,
+    residual_combine_reference,
     supported,
 )
 from forkjax.pallas_kernels.residual_attention import combine_splits
@@ -523,17 +524,18 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
-    if triton_ops and n_out == 1 and "rv" not in skip:  # one split: the epilogue as one kernel
-        return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=q.dtype,
-                                interpret=interpret)
+    if residual and "rv" not in skip:  # O^T and O_r^T (its row R: l, P summed by its wgmma)
+        if triton_ops and n_out == 1:  # one split: the epilogue as one kernel
+            return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=q.dtype,
+                                    interpret=interpret)
+        return residual_combine_reference(o, rest[0], b_v, adapter_ids, groups=G,
+                                          dtype=q.dtype, m=ml[:, :, :, 0])
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
     l = ml[:, :, :, 1, :G]
-    if residual:  # O^T, O_r^T (R rows of 64 are rV's) -> O, O_r; B_v once, after the combine
+    if residual:  # skip="rv": no O_r^T product, l from the consumer's own sums
         o, o_r = o[..., :G].swapaxes(-1, -2), rest[0][..., :R, :G].swapaxes(-1, -2)
         bv = b_v[adapter_ids.astype(jnp.int32)].astype(f32)  # [B, R, Hkv, D]
-        if "rv" not in skip:
-            l = rest[0][..., R, :G]  # row R of O_r^T: P summed by its wgmma
     else:
         o = o[..., :G, :]
     o = combine_splits(o, ml[:, :, :, 0, :G], l, o_r, bv)

@@ -144,12 +144,14 @@ def residual_combine(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, interpr
     return out.reshape(B, Hkv * groups, D)
 
 
-def residual_combine_reference(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype):
-    """The same in XLA ops (one split: the running max m is not needed)."""
+def residual_combine_reference(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, m=None):
+    """The same in XLA ops, for any number of split-K splits: m [B, S, Hkv, NQ] float32, the
+    splits' running maxima (None: one split, which needs none). Only the G real query columns
+    are sliced out first, so the combine moves G/NQ of the data."""
     B, _, Hkv, D, _ = o_t.shape
     R = b_v.shape[1]
     o, o_r = o_t[..., :groups].swapaxes(-1, -2), or_t[..., :R, :groups].swapaxes(-1, -2)
-    bv = b_v[adapter_ids.astype(jnp.int32)].astype(jnp.float32)
-    m = jnp.zeros(o.shape[:-1], jnp.float32)
+    bv = b_v[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D]
+    m = jnp.zeros(o.shape[:-1], jnp.float32) if m is None else m[..., :groups]
     out = combine_splits(o, m, or_t[..., R, :groups], o_r, bv)
     return out.reshape(B, Hkv * groups, D).astype(dtype)
