@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from forkjax.pallas_kernels.mgpu_decode import mgpu_residual_decode, mgpu_unified_decode
+from forkjax.pallas_kernels.mgpu_decode import (
+    mgpu_residual_decode,
+    mgpu_unified_decode,
+    query_rows,
+)
+from forkjax.pallas_kernels.mgpu_operands import query_operands_reference
 from test_mgpu_operands import lower_for_h200
 from test_residual_attention import decode_case, np_attention, rel_err
 
@@ -138,6 +143,22 @@ def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers,
         jnp.asarray(c.prefix + 1), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
         jnp.asarray(c.inv_freq), layer=1 if layers else None, k_splits=k_splits, stages=stages,
         consumers=consumers, ctas=ctas, interpret=INTERPRET)
+    err = rel_err(out[:, None], np_attention(c), c.chunk)
+    assert err < 2e-2, err
+
+
+@isolated
+def test_mgpu_residual_decode_from_operands():
+    """(qx, W) built by the caller, as the engine's `decode_operands` builds them, for q."""
+    c = decode_case(25, [200, 16, 513], group=4, d=128, r=16, dtype=jnp.bfloat16)
+    ids = jnp.asarray(c.adapter_ids)
+    ops = query_operands_reference(c.q[:, 0], c.b_k, ids, n_q=query_rows(4, True),
+                                   dtype=jnp.bfloat16)
+    out = mgpu_residual_decode(
+        ops, c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
+        jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v, ids,
+        jnp.asarray(c.inv_freq), k_splits=1, interpret=INTERPRET)
+    assert out.dtype == jnp.bfloat16 and out.shape == c.q[:, 0].shape
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 2e-2, err
 

@@ -11,6 +11,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 
 from forkjax.pallas_kernels.mgpu_operands import (
+    decode_operands,
     query_operands,
     query_operands_reference,
     residual_combine,
@@ -86,7 +87,8 @@ def _want_query(q, b_k, ids, n_q, dtype):
     B, Hq, D = q.shape
     _, R, Hkv, _ = b_k.shape
     G, h = Hq // Hkv, D // 2
-    qg = np.asarray(jnp.asarray(q, dtype), np.float64).reshape(B, Hkv, G, D)
+    qg = np.asarray(q if dtype == np.float64 else jnp.asarray(q, dtype), np.float64)
+    qg = qg.reshape(B, Hkv, G, D)
     qx = np.zeros((B, Hkv, n_q, D))
     qx[:, :, :G] = qg
     w = np.zeros((B, Hkv, D, G * R))
@@ -128,6 +130,71 @@ def test_query_operands_rejects_what_it_cannot_do():
                        interpret=INTERPRET)
 
 
+def _decode_case(seed, G, R, D, q_lora, dtype, B=3, Hkv=2, N=4):
+    """A q|k|v GEMM output y [B, C] (q | k | v | the A columns of q?, k, v for N slots)."""
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * G
+    parts = (("q",) if q_lora else ()) + ("k", "v")
+    o = (Hq + 2 * Hkv) * D
+    a = {p: o + i * N * R for i, p in enumerate(parts)}
+    cols = (0, Hq * D, (Hq + Hkv) * D, a.get("q"), a["k"], a["v"])
+    y = rng.standard_normal((B, o + len(parts) * N * R))
+    ang = rng.uniform(0, 100, (B, D // 2))
+    cos, sin = (np.concatenate([f(ang)] * 2, -1) for f in (np.cos, np.sin))
+    b_q = rng.standard_normal((N, R, Hq * D)) / 4 if q_lora else None
+    b_k = rng.standard_normal((N, R, Hkv, D))
+    ids = rng.permutation(N)[:B].astype(np.int32)
+    cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
+    # y as the GEMM leaves it: float32
+    args = (jnp.asarray(y, jnp.float32), cast(cos), cast(sin), cast(b_q), cast(b_k),
+            jnp.asarray(ids))
+    return args, dict(heads=(Hq, Hkv, D), cols=cols, dtype=dtype)
+
+
+def _want_decode(y, cos, sin, b_q, b_k, ids, heads, cols, dtype, n_q):
+    """decode_operands in float64 from its inputs (y rounded to `dtype`), no rounding inside."""
+    f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    y, cos, sin, b_q, b_k = map(f64, (jnp.asarray(y, dtype), cos, sin, b_q, b_k))
+    (Hq, Hkv, D), (c_q, c_k, c_v, a_q, a_k, a_v) = heads, cols
+    B, R, h = y.shape[0], b_k.shape[1], D // 2
+    xa = lambda a: np.stack([y[b, a + ids[b] * R:a + (ids[b] + 1) * R] for b in range(B)])  # noqa
+
+    def rope(x):  # [B, H, D]
+        rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    q = y[:, c_q:c_q + Hq * D]
+    if b_q is not None:
+        q = q + np.einsum("br,brx->bx", xa(a_q), b_q[ids])
+    qx, _ = _want_query(rope(q.reshape(B, Hq, D)), b_k, ids, n_q, np.float64)
+    k = rope(y[:, c_k:c_k + Hkv * D].reshape(B, Hkv, D))
+    return qx, k, y[:, c_v:c_v + Hkv * D].reshape(B, Hkv, D), xa(a_k), xa(a_v)
+
+
+@pytest.mark.parametrize("G,R,D,q_lora,dtype", [(4, 16, 128, True, jnp.bfloat16),
+                                                (8, 32, 64, False, jnp.bfloat16),
+                                                (2, 16, 64, True, jnp.float32)])
+def test_decode_operands(G, R, D, q_lora, dtype):
+    """From the q|k|v GEMM's output: q with its adapter's LoRA and RoPE (padded, and W from it),
+    roped K, V, and each row's own slot's xA of k and v; shuffled adapter slots."""
+    args, static = _decode_case(G + R, G, R, D, q_lora, dtype)
+    qx, w, *got = decode_operands(*args, **static, n_q=16, interpret=INTERPRET)
+    want_qx, *want = _want_decode(*args, **static, n_q=16)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2  # bf16: q rounded after its LoRA and RoPE
+    for name, x, ref in zip(("qx", "k", "v", "k_res", "v_res"), [qx] + got, [want_qx] + want):
+        assert x.dtype == dtype and x.shape == ref.shape, name
+        np.testing.assert_allclose(np.asarray(x, np.float64), ref, rtol=tol, atol=tol,
+                                   err_msg=name)
+    np.testing.assert_array_equal(np.asarray(qx[:, :, G:]), 0)  # padding rows
+    for x, ref in zip(got[1:], want[1:]):  # v and the residuals are copies
+        np.testing.assert_array_equal(np.asarray(x, np.float64), ref)
+    # W is built from the q the attention kernel reads: qx as rounded (one rounding of W)
+    q = np.asarray(qx[:, :, :G], np.float64).reshape(qx.shape[0], -1, qx.shape[-1])
+    _, want_w = _want_query(q, args[4], np.asarray(args[5]), 16, np.float64)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(w, np.float64), want_w, rtol=tol, atol=tol)
+
+
 def test_kernels_lower_for_cuda():
     """Triton lowering at the Llama-3-8B shape on any machine (the interpreter cannot see what
     Triton does not lower, a slice of a value for one)."""
@@ -138,4 +205,8 @@ def test_kernels_lower_for_cuda():
     text += lower_for_h200(functools.partial(residual_combine, groups=4, dtype=jnp.bfloat16),
                            S((64, 1, 8, 128, 16), jnp.float32), S((64, 1, 8, 64, 16),
                                                                    jnp.float32), b, ids)
-    assert text.count("xla.gpu.triton") == 2
+    (y, cos, sin, b_q, b_k, ids), static = _decode_case(0, 4, 16, 128, True, jnp.bfloat16,
+                                                        B=64, Hkv=8, N=9)  # y float32
+    text += lower_for_h200(functools.partial(decode_operands, **static, n_q=16),
+                           y, cos, sin, b_q, b_k, ids)
+    assert text.count("xla.gpu.triton") == 3

@@ -15,8 +15,8 @@ import jax
 
 from forkjax import pallas_kernels as pk
 from forkjax.cache import write_kv
-from forkjax.models.attention import merge_kv
-from forkjax.pallas_kernels import kv_write
+from forkjax.models.attention import QKV, merge_kv
+from forkjax.pallas_kernels import kv_write, mgpu_decode, mgpu_operands
 
 
 @jax.tree_util.register_dataclass
@@ -31,21 +31,37 @@ class PagedMeta:
     adapter_ids: jax.Array  # [B] int32 LoRA slot of each request
 
 
-def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, residual: bool,
-                    inv_freq, use_pallas: bool, precision=None):
-    """q [T, Hq, D] (RoPE applied; T = B in decode, B·C in extend) -> ([T, Hq, D], pools)."""
+def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
+                    use_pallas: bool, precision=None):
+    """T tokens (T = B in decode, B·C in extend) -> ([T, Hq, D], pools)."""
     m = batch.attn
-    t, hq, hd = q.shape
-    hkv = k[0].shape[1]
-    write = _kv_writer(use_pallas, pools)
-    if residual:
-        (kb, kr), (vb, vr) = k, v
-        pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
-    else:
-        keys, values = merge_kv(k, v, b_k, b_v, rope, batch.group_sizes, precision)
-        pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
+    hq, hkv, hd = qkv.heads
+    b_k, b_v = qkv.b("k_proj"), qkv.b("v_proj")
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
+    write = _kv_writer(use_pallas, pools)
+    if kind == "decode" and residual and use_pallas and _fused_decode(qkv, pools):
+        # one Triton kernel from the q|k|v GEMM's output to the Mosaic kernel's operands and
+        # the K/V to write (was ~8 XLA kernels and `query_operands`)
+        n_q = mgpu_decode.query_rows(hq // hkv, True)
+        b_q = qkv.b("q_proj") if "q_proj" in qkv.proj.lora else None
+        qx, w, kb, vb, kr, vr = mgpu_operands.decode_operands(
+            qkv.y, *qkv.rope, b_q, b_k4, m.adapter_ids, heads=qkv.heads, cols=qkv.columns(),
+            n_q=n_q, dtype=pools.base_k.dtype)
+        pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
+        out = mgpu_decode.mgpu_residual_decode(
+            (qx, w), pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
+            m.res_pages, m.prefix_lengths + 1, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer)
+        return out, pools
+    q = qkv.q()
+    t = q.shape[0]
+    if residual:
+        (kb, kr), (vb, vr) = qkv.k(), qkv.v()
+        pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
+    else:
+        keys, values = merge_kv(qkv.k(), qkv.v(), b_k, b_v, qkv.rope, batch.group_sizes,
+                                precision)
+        pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
     nb = m.prefix_lengths.shape[0]
     ops = _KERNELS if use_pallas else _REFERENCES
     # Off the GPU the kernels run interpreted (slow; tests of the kernel path through the engine).
@@ -69,6 +85,15 @@ def paged_attention(layer, q, k, v, b_k, b_v, rope, batch, pools, *, kind: str, 
         out = ops["uni_extend"](q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths,
                                 m.chunk_lengths, layer=layer, **extra)
     return out.reshape(t, hq, hd), pools
+
+
+def _fused_decode(qkv: QKV, pools) -> bool:
+    """Whether a residual decode runs `decode_operands` and the Mosaic kernel: on a GPU, where
+    `residual_attention_decode` would run that kernel and Triton's blocks fit the shapes."""
+    hq, hkv, hd = qkv.heads
+    r = pools.res_k.shape[-1]
+    return (mgpu_decode.serves(hq, hkv, hd, pools.base_k.shape[-2], r, pools.base_k.dtype)
+            and mgpu_operands.supported(hq // hkv, r, hd))
 
 
 def _kv_writer(use_pallas: bool, pools):

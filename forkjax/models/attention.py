@@ -1,18 +1,69 @@
-"""Dense causal attention over a flat batch of whole sequences: the no-cache reference backend.
+"""What an attention backend receives (`QKV`), and dense causal attention over a flat batch of
+whole sequences: the no-cache reference backend.
 
-K and V arrive as (base, residual) pairs and are merged at once: K = bK + RoPE(rK·B_k),
+K and V come as (base, residual) pairs and are merged at once: K = bK + RoPE(rK·B_k),
 V = bV + rV·B_v. RoPE is linear, so this equals RoPE of the merged projection, as HF computes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from forkjax.lora.batched import lora_expand, slot_rows
+from forkjax.lora.batched import lora_expand, own_slot, slot_rows
 from forkjax.models.layers import apply_rope
+
+
+@dataclasses.dataclass
+class QKV:
+    """A layer's q|k|v projection of T tokens with LoRA's B and RoPE not yet applied. A backend
+    builds what it needs (`q`, `k`, `v`), or a fused kernel reads the GEMM output `y` itself
+    (`mgpu_operands.decode_operands`: XLA ran q's expand, RoPE and the slices as ~8 kernels)."""
+    y: jax.Array  # [T, O + L·N·R] float32 `LoRALinear.project` of the stacked q|k|v projection
+    proj: Any  # that LoRALinear: lora_b, a_rows
+    heads: tuple[int, int, int]  # (Hq, Hkv, D)
+    rope: tuple  # (cos, sin) [T, D]
+    group_sizes: jax.Array  # [N] int32 tokens per adapter slot
+
+    @functools.cached_property
+    def _parts(self) -> dict:
+        return self.proj.split(self.y, self.group_sizes)
+
+    def b(self, part: str):
+        """LoRA B of `part` [N, R, out] (the LoRA scale folded in)."""
+        return self.proj.lora_b[part][...]
+
+    def columns(self) -> tuple:
+        """First column in y of q, k, v, then of slot 0's A of q (None: q has no slots), k, v
+        (slot s's R columns follow at + s·R)."""
+        hq, hkv, hd = self.heads
+        a = [self.proj.a_rows(p, 0) if p in self.proj.lora else None
+             for p in ("q_proj", "k_proj", "v_proj")]
+        return (0, hq * hd, (hq + hkv) * hd, *a)
+
+    def q(self):
+        """-> q [T, Hq, D], LoRA and RoPE applied."""
+        hq, _, hd = self.heads
+        q, rows = self._parts["q_proj"]
+        if rows is not None:
+            q = q + self.proj.expand("q_proj", rows)
+        return apply_rope(q.reshape(-1, hq, hd), *self.rope)
+
+    def k(self):
+        """-> (base keys [T, Hkv, D] with RoPE, residual xA_k [T, R])."""
+        _, hkv, hd = self.heads
+        kb, rows = self._parts["k_proj"]
+        return apply_rope(kb.reshape(-1, hkv, hd), *self.rope), own_slot(rows)
+
+    def v(self):
+        """-> (base values [T, Hkv, D], residual xA_v [T, R])."""
+        _, hkv, hd = self.heads
+        vb, rows = self._parts["v_proj"]
+        return vb.reshape(-1, hkv, hd), own_slot(rows)
 
 
 @jax.tree_util.register_dataclass
@@ -32,10 +83,12 @@ def merge_kv(k, v, b_k, b_v, rope, group_sizes, precision=None):
     return kb + apply_rope(k_lora, *rope), vb + v_lora
 
 
-def dense_attention(layer, q, k, v, b_k, b_v, rope, batch, state, precision=None):
-    """Causal attention within each segment. q [T, Hq, D] (RoPE applied) -> [T, Hq, D]."""
+def dense_attention(layer, qkv: QKV, batch, state, precision=None):
+    """Causal attention within each segment -> [T, Hq, D]."""
     del layer
-    keys, values = merge_kv(k, v, b_k, b_v, rope, batch.group_sizes, precision)
+    q = qkv.q()
+    keys, values = merge_kv(qkv.k(), qkv.v(), qkv.b("k_proj"), qkv.b("v_proj"), qkv.rope,
+                            batch.group_sizes, precision)
     t, hq, hd = q.shape
     group = hq // keys.shape[1]
     keys = jnp.repeat(keys, group, axis=1)

@@ -20,10 +20,13 @@ _XW = (((1,), (1,)), ((), ()))
 
 def linear(x, w, precision, bias=None):
     """x [T, in], w [out, in], bias [out] | None -> [T, out]; float32 accumulation, one rounding."""
+    return linear_f32(x, w, precision, bias).astype(x.dtype)
+
+
+def linear_f32(x, w, precision, bias=None):
+    """`linear` before its rounding: [T, out] float32."""
     y = jax.lax.dot_general(x, w, _XW, precision=precision, preferred_element_type=jnp.float32)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y if bias is None else y + bias.astype(jnp.float32)
 
 
 class RMSNorm(nnx.Module):
@@ -107,11 +110,22 @@ class LoRALinear(nnx.Module):
         """x [T, in], group_sizes [N] (tokens grouped by slot) -> {part: (xW + b [T, out],
         slot rows [T, N, R] (xA in the token's slot, zeros in the others: `forkjax.lora.batched`)
         or None for a part without slots)}."""
+        return self.split(self.project(x), group_sizes)
+
+    def project(self, x):
+        """x [T, in] -> the one GEMM's output [T, O + L·N·R] in float32, not yet rounded to x's
+        dtype (`split` rounds it; a kernel reading it rounds as it loads, where XLA would run a
+        convert kernel first): every part's xW + b, then every slot's xA of each part with
+        slots (rows of `a_rows`)."""
         w = self.weight[...]
         bias = None
         if self.bias is not None:
             bias = jnp.pad(self.bias[...], (0, w.shape[0] - self.out))  # no bias on the A rows
-        y = linear(x, w, self.precision, bias)
+        return linear_f32(x, w, self.precision, bias)
+
+    def split(self, y, group_sizes) -> dict:
+        """`project`'s output -> what `__call__` returns."""
+        y = y.astype(self.weight.dtype)
         out, start = {}, 0
         for name, size in self.parts:
             out[name] = y[:, start:start + size]
@@ -119,7 +133,7 @@ class LoRALinear(nnx.Module):
         rows = {}
         if self.lora:
             n, r = self.slots
-            xa_all = y[:, self.out:].reshape(x.shape[0], len(self.lora), n, r)
+            xa_all = y[:, self.out:].reshape(y.shape[0], len(self.lora), n, r)
             rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
         return {name: (y_part, rows.get(name)) for name, y_part in out.items()}
 

@@ -7,8 +7,9 @@ projections reading the same input are stored stacked as vLLM does (`qkv_proj` =
 checkpoint by name.
 
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
-and delegates attention to `attn_fn`, which receives K and V as (base, residual) pairs: the dense
-reference here, the paged kernels in the engine.
+and delegates attention to `attn_fn`, which receives the q|k|v projection (`QKV`) and builds q
+and the (base, residual) K and V pairs from it: the dense reference, the paged kernels in the
+engine.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from forkjax.config import ModelConfig
-from forkjax.lora.batched import own_slot
-from forkjax.models.layers import LoRALinear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+from forkjax.models.attention import QKV
+from forkjax.models.layers import LoRALinear, RMSNorm, linear, rope_cos_sin, rope_inv_freq
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order; the others
@@ -40,9 +41,7 @@ class ForwardBatch:
     attn: Any = None        # attention backend metadata (a pytree)
 
 
-# attn_fn(layer, q [T,Hq,D] roped, k=(base [T,Hkv,D] roped, res [T,R]), v=(base, res),
-#         b_k [N,R,Hkv*D], b_v [N,R,Hkv*D], rope=(cos, sin) [T,D], batch, kv_state)
-#   -> (out [T, Hq, D], kv_state)
+# attn_fn(layer, qkv: QKV (models/attention.py), batch, kv_state) -> (out [T, Hq, D], kv_state)
 AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -55,21 +54,9 @@ class Attention(nnx.Module):
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
-        hq, hkv, hd = self.heads
-        t, gs = x.shape[0], batch.group_sizes
-        cos, sin = rope
-        proj = self.qkv_proj(x, gs)
-        q, q_rows = proj["q_proj"]
-        if q_rows is not None:
-            q = q + self.qkv_proj.expand("q_proj", q_rows)
-        (kb, k_rows), (vb, v_rows) = proj["k_proj"], proj["v_proj"]
-        kr, vr = own_slot(k_rows), own_slot(v_rows)
-        q = apply_rope(q.reshape(t, hq, hd), cos, sin)
-        kb = apply_rope(kb.reshape(t, hkv, hd), cos, sin)
-        b = self.qkv_proj.lora_b
-        out, state = attn_fn(layer, q, (kb, kr), (vb.reshape(t, hkv, hd), vr),
-                             b["k_proj"][...], b["v_proj"][...], rope, batch, state)
-        return self.o_proj.merged(out.reshape(t, hq * hd), gs)[0], state
+        qkv = QKV(self.qkv_proj.project(x), self.qkv_proj, self.heads, rope, batch.group_sizes)
+        out, state = attn_fn(layer, qkv, batch, state)
+        return self.o_proj.merged(out.reshape(x.shape[0], -1), batch.group_sizes)[0], state
 
 
 class MLP(nnx.Module):

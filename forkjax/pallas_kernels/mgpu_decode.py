@@ -400,7 +400,7 @@ def _k_lora_tables(G, R, inv_freq, n_blocks, n_q, dt):
     return e_t.astype(dt), tab.astype(dt)
 
 
-def _query_rows(G: int, residual: bool) -> int:
+def query_rows(G: int, residual: bool) -> int:
     """Query rows of q: wgmma's N when transposed (residual; P^T tiles need a 32-byte swizzle,
     so at least 16 bf16 columns), else its M (64)."""
     return -(-G // 16) * 16 if residual else ROWS
@@ -409,7 +409,7 @@ def _query_rows(G: int, residual: bool) -> int:
 def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
     """Shared memory of the kernel (R = 0: unified) -> (scratch types, bytes incl. extra)."""
     residual = R > 0
-    n_q, ppb = _query_rows(G, residual), BLOCK_K // PAGE
+    n_q, ppb = query_rows(G, residual), BLOCK_K // PAGE
     # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: transposed, V, rV,
     # U and E^T are tiled like P^T (16 columns)
     ntile = _tiles(n_q, dt) if residual else _tiles(D, dt)
@@ -462,8 +462,12 @@ def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
 
 def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits, ctas,
             stages, consumers, interpret, skip=(), profile_dir=""):
-    B, Hq, D = q.shape
     Hkv, _, S, _ = k_pages.shape[-4:]
+    if isinstance(q, tuple):  # residual: (qx, W) from mgpu_operands.decode_operands
+        (B, _, _, D), out_dtype = q[0].shape, q[0].dtype
+        Hq = Hkv * q[1].shape[-1] // res[0].shape[-1]
+    else:
+        (B, Hq, D), out_dtype = q.shape, q.dtype
     if layer is None:  # one layer: a leading axis of 1 (a free reshape), layer 0
         layer = 0
         k_pages, v_pages = k_pages[None], v_pages[None]
@@ -486,7 +490,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
-    n_q = _query_rows(G, residual)
+    n_q = query_rows(G, residual)
     scale = (D ** -0.5 if sm_scale is None else sm_scale) * math.log2(math.e)
     n_out = k_splits * consumers
     out_type = [jax.ShapeDtypeStruct((B, n_out, Hkv) + ((D, n_q) if residual else (n_q, D)),
@@ -495,7 +499,11 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     triton_ops = residual and supported(G, R, D)  # the operand and epilogue kernels
     if residual:  # q padded to n_q rows and W
         k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
-        if triton_ops:
+        if isinstance(q, tuple):
+            qx, w = q
+            if qx.shape[2] != n_q or qx.dtype != dt:
+                raise ValueError(f"mgpu decode: qx {qx.shape} {qx.dtype}, want {n_q} rows {dt}")
+        elif triton_ops:
             qx, w = query_operands(q, b_k, adapter_ids, n_q=n_q, dtype=dt, interpret=interpret)
         else:
             qx, w = query_operands_reference(q, b_k, adapter_ids, n_q=n_q, dtype=dt)
@@ -526,10 +534,10 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     o, ml, *rest = kernel(*args)
     if residual and "rv" not in skip:  # O^T and O_r^T (its row R: l, P summed by its wgmma)
         if triton_ops and n_out == 1:  # one split: the epilogue as one kernel
-            return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=q.dtype,
+            return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=out_dtype,
                                     interpret=interpret)
         return residual_combine_reference(o, rest[0], b_v, adapter_ids, groups=G,
-                                          dtype=q.dtype, m=ml[:, :, :, 0])
+                                          dtype=out_dtype, m=ml[:, :, :, 0])
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
     l = ml[:, :, :, 1, :G]
@@ -539,7 +547,7 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     else:
         o = o[..., :G, :]
     o = combine_splits(o, ml[:, :, :, 0, :G], l, o_r, bv)
-    return o.reshape(B, Hq, D).astype(q.dtype)
+    return o.reshape(B, Hq, D).astype(out_dtype)
 
 
 def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
@@ -548,6 +556,12 @@ def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool
             and G * R <= 256  # U's width: a wgmma N
             and (G * R in (16, 32) or G * R % 64 == 0)  # U's swizzle: 32, 64 or 128 bytes
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def serves(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
+    """Whether `residual_attention_decode` runs this kernel by default (compiled, not tuned):
+    on a GPU, for the shapes it supports."""
+    return jax.default_backend() == "gpu" and supports(Hq, Hkv, D, page_size, R, dtype)
 
 
 def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype, stages: int = 3,
@@ -569,6 +583,9 @@ def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
                          profile_dir: str = ""):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
     or 32, D 64 or 128, G * R 16, 32, 64, 128, 192 or 256, bf16/f16) -> [B, Hq, D].
+
+    q: [B, Hq, D] with RoPE, or the kernel's operands (qx, W) as `decode_operands` builds them
+    (mgpu_operands.py; the output then has qx's dtype).
 
     ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
     items in turn with one ring across them, so an item's first loads and its output stores

@@ -1,4 +1,4 @@
-"""The Mosaic residual decode's operands and epilogue as one Triton kernel each.
+"""The Mosaic residual decode's operands and epilogue, as Triton kernels.
 
 Prologue (`query_operands`): the kernel reads the query heads of a KV head padded to NQ rows and
 the K-LoRA operand W [D, G*R] (mgpu_decode.py's docstring) built from those heads and the
@@ -11,6 +11,13 @@ a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session); here one progra
     qx      [B, Hkv, NQ, D]      q's G heads, zero rows after
     w       [B, Hkv, D, G * R]   W[j, g*R + r] = q1_j b1_j + q2_j b2_j,
                                  W[D/2 + j, g*R + r] = q2_j b1_j - q1_j b2_j (q_g, b_r halves)
+
+The engine's decode goes one step further (`decode_operands`): the same program starts from the
+q|k|v GEMM's float32 output, adds q's LoRA (xA_q B_q of the row's slot), applies RoPE to q and
+k, and also writes k, v and the row's xA_k, xA_v for the K/V write. In XLA that was a convert,
+the q LoRA mask and expand, q's RoPE and add, k's RoPE, v's slice and the own-slot reductions
+before `query_operands`: B=64 decode 10.69 -> 10.42 ms on the H200 (BENCHMARKS.md, fifteenth
+session).
 
 Epilogue (`residual_combine`), for one split-K split (large batches):
 the Mosaic residual decode leaves its accumulators transposed, O^T [D, NQ] and
@@ -106,6 +113,93 @@ def query_operands_reference(q, b_k, adapter_ids, *, n_q: int, dtype):
     prod = functools.partial(jnp.einsum, "bhgj,brhj->bhjgr")
     w = jnp.concatenate([prod(q1, b1) + prod(q2, b2), prod(q2, b1) - prod(q1, b2)], 2)
     return qx, w.reshape(B, Hkv, D, G * R).astype(dtype)
+
+
+def _decode_kernel(ids_ref, y_ref, cos_ref, sin_ref, *refs, groups: int, rank: int, cols):
+    bq_ref = refs[0] if cols[3] is not None else None
+    bk_ref, qx_ref, w_ref, kb_ref, vb_ref, kr_ref, vr_ref = refs[-7:]
+    b, h = pl.program_id(0), pl.program_id(1)
+    aid = ids_ref[b]
+    n_q, d = qx_ref.shape
+    half, G, R = d // 2, groups, rank
+    c_q, c_k, c_v, a_q, a_k, a_v = cols
+    dt, f32 = qx_ref.dtype, jnp.float32
+    load = lambda idx: y_ref[b, idx].astype(dt).astype(f32)  # noqa: E731  (y rounded as XLA's)
+    iota = functools.partial(lax.broadcasted_iota, jnp.int32)
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    cos1, cos2, sin1, sin2 = (ref[b, part].astype(f32)
+                              for ref in (cos_ref, sin_ref) for part in (lo, hi))
+
+    def rope(x1, x2):  # rotate-half RoPE of float32 halves [.., D/2], one rounding to dt
+        return (x1 * cos1 - x2 * sin1).astype(dt), (x2 * cos2 + x1 * sin2).astype(dt)
+
+    # q's G heads of KV head h as halves [G, D/2], gathered from the GEMM's row
+    g_i, j_i = iota((G, half), 0), iota((G, half), 1)
+    q_col = (h * G + g_i) * d + j_i
+    q1, q2 = (load(c_q + q_col + off) for off in (0, half))
+    if bq_ref is not None:  # + xA_q B_q, rounded as XLA's expand and add round it
+        xa = load(pl.ds(a_q + aid * R, R))[:, None, None]  # [R, 1, 1]
+        b_col = iota((R, G, half), 0) * (bq_ref.shape[1] // R) + q_col[None]
+        q1, q2 = ((x + jnp.sum(xa * bq_ref[aid, b_col + off].astype(f32), axis=0)
+                   .astype(dt).astype(f32)).astype(dt).astype(f32)
+                  for x, off in ((q1, 0), (q2, half)))
+    r1, r2 = rope(q1, q2)
+    qx_ref[g_i, j_i] = r1
+    qx_ref[g_i, j_i + half] = r2
+    rows = iota((n_q, d), 0)
+    plgpu.store(qx_ref, jnp.zeros((n_q, d), dt), mask=rows >= G)  # (rows < G: stored above)
+    # W from the rounded roped q, as `query_operands` builds it
+    q1, q2 = (x.astype(f32).T[:, :, None] for x in (r1, r2))  # [D/2, G, 1]
+    b1, b2 = (bk_ref[aid, :, h, part].astype(f32).T[:, None, :] for part in (lo, hi))
+    w_ref[lo, :] = (q1 * b1 + q2 * b2).reshape(half, G * R).astype(dt)
+    w_ref[hi, :] = (q2 * b1 - q1 * b2).reshape(half, G * R).astype(dt)
+    kb_ref[lo], kb_ref[hi] = rope(*(load(pl.ds(c_k + h * d + off, half)) for off in (0, half)))
+    vb_ref[...] = y_ref[b, pl.ds(c_v + h * d, d)].astype(dt)
+
+    @pl.when(h == 0)
+    def _():
+        kr_ref[...] = y_ref[b, pl.ds(a_k + aid * R, R)].astype(dt)
+        vr_ref[...] = y_ref[b, pl.ds(a_v + aid * R, R)].astype(dt)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "cols", "n_q", "dtype", "interpret"))
+def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int, dtype,
+                    interpret=False):
+    """One decode token per row: the Mosaic residual decode's operands and the K/V to write,
+    straight from the q|k|v GEMM's output (`models.attention.QKV`), in `dtype`.
+
+    y        [B, C]            xW + b of q | k | v, then every slot's xA of the parts with slots
+                               (float32 as the GEMM leaves it: rounded to `dtype` as loaded)
+    cos, sin [B, D]            RoPE of each row's position
+    b_q      [N, R, Hq * D]    q's LoRA B, or None (q carries no slots)
+    b_k      [N, R, Hkv, D]
+    heads    (Hq, Hkv, D);  cols  (q, k, v, A_q | None, A_k, A_v): the first column of each in
+             y, slot s's A columns at A + s * R
+    -> qx [B, Hkv, n_q, D], W [B, Hkv, D, G * R] (as `query_operands` from the LoRA-applied,
+       roped q), k [B, Hkv, D] roped, v [B, Hkv, D], xA_k [B, R], xA_v [B, R] of each row's slot
+    """
+    (Hq, Hkv, D), (B, _), R = heads, y.shape, b_k.shape[1]
+    G, dt = Hq // Hkv, jnp.dtype(dtype)
+    if not supported(G, R, D) or n_q < G or n_q & (n_q - 1):
+        raise ValueError(f"decode_operands: no kernel for G={G} R={R} D={D} n_q={n_q}")
+    full = lambda x: pl.BlockSpec(x.shape, lambda b, h: (0,) * x.ndim)  # noqa: E731
+    ins = [adapter_ids.astype(jnp.int32), y, cos, sin]
+    if b_q is not None:
+        ins.append(b_q.reshape(b_q.shape[0], -1))
+    ins.append(b_k)
+    at = lambda *s: pl.BlockSpec((None, None) + s, lambda b, h: (b, h) + (0,) * len(s))  # noqa
+    row = pl.BlockSpec((None, R), lambda b, h: (b, 0))
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, groups=G, rank=R, cols=cols),
+        grid=(B, Hkv),
+        in_specs=[full(x) for x in ins],
+        out_specs=[at(n_q, D), at(D, G * R), at(D), at(D), row, row],
+        out_shape=[jax.ShapeDtypeStruct(s, dt) for s in ((B, Hkv, n_q, D), (B, Hkv, D, G * R),
+                                                        (B, Hkv, D), (B, Hkv, D), (B, R), (B, R))],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="residual_decode_operands",
+    )(*ins)
 
 
 def _combine_kernel(ids_ref, o_ref, or_ref, bv_ref, out_ref, *, groups: int, rank: int):

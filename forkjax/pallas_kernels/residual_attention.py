@@ -558,10 +558,8 @@ def residual_attention_decode(
     hkv, page, d = k_base.shape[-4], k_base.shape[-2], k_base.shape[-1]
     tuned = (block_k, num_warps, num_stages, reconstruct_k, swap_ab) != (None,) * 5
     if kernel is None:
-        kernel = "mosaic" if (
-            not interpret and not tuned and jax.default_backend() == "gpu"
-            and mgpu_decode.supports(q.shape[1], hkv, d, page, k_res.shape[-1], k_base.dtype)
-        ) else "triton"
+        kernel = "mosaic" if not interpret and not tuned and mgpu_decode.serves(
+            q.shape[1], hkv, d, page, k_res.shape[-1], k_base.dtype) else "triton"
     if kernel not in ("triton", "mosaic"):
         raise ValueError(f"kernel must be 'triton', 'mosaic' or None, not {kernel!r}")
     if kernel == "mosaic":
