@@ -143,7 +143,7 @@ def _decode_case(seed, G, R, D, q_lora, dtype, B=3, Hkv=2, N=4):
     cos, sin = (np.concatenate([f(ang)] * 2, -1) for f in (np.cos, np.sin))
     b_q = rng.standard_normal((N, R, Hq * D)) / 4 if q_lora else None
     b_k = rng.standard_normal((N, R, Hkv, D))
-    ids = rng.permutation(N)[:B].astype(np.int32)
+    ids = (rng.permutation(N)[:B] if B <= N else rng.integers(0, N, B)).astype(np.int32)
     cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
     # y as the GEMM leaves it: float32
     args = (jnp.asarray(y, jnp.float32), cast(cos), cast(sin), cast(b_q), cast(b_k),

@@ -162,9 +162,10 @@ def _decode_kernel(ids_ref, y_ref, cos_ref, sin_ref, *refs, groups: int, rank: i
         vr_ref[...] = y_ref[b, pl.ds(a_v + aid * R, R)].astype(dt)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "cols", "n_q", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "cols", "n_q", "dtype", "num_warps",
+                                             "interpret"))
 def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int, dtype,
-                    interpret=False):
+                    num_warps: int = 4, interpret=False):
     """One decode token per row: the Mosaic residual decode's operands and the K/V to write,
     straight from the q|k|v GEMM's output (`models.attention.QKV`), in `dtype`.
 
@@ -177,6 +178,8 @@ def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int
              y, slot s's A columns at A + s * R
     -> qx [B, Hkv, n_q, D], W [B, Hkv, D, G * R] (as `query_operands` from the LoRA-applied,
        roped q), k [B, Hkv, D] roped, v [B, Hkv, D], xA_k [B, R], xA_v [B, R] of each row's slot
+    num_warps: Triton warps a program (H200, B=64: 1, 2, 4, 8 warps 7.9, 6.6, 6.7, 11.4 us,
+       scripts/diag_decode_operands.py)
     """
     (Hq, Hkv, D), (B, _), R = heads, y.shape, b_k.shape[1]
     G, dt = Hq // Hkv, jnp.dtype(dtype)
@@ -187,8 +190,10 @@ def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int
     if b_q is not None:
         ins.append(b_q.reshape(b_q.shape[0], -1))
     ins.append(b_k)
-    at = lambda *s: pl.BlockSpec((None, None) + s, lambda b, h: (b, h) + (0,) * len(s))  # noqa
-    row = pl.BlockSpec((None, R), lambda b, h: (b, 0))
+    def at(*s):  # program (b, h)'s block of a [B, Hkv, *s] output
+        return pl.BlockSpec((None, None) + s, lambda b, h: (b, h) + (0,) * len(s))
+
+    row = pl.BlockSpec((None, R), lambda b, h: (b, 0))  # xA: written by the h = 0 programs
     return pl.pallas_call(
         functools.partial(_decode_kernel, groups=G, rank=R, cols=cols),
         grid=(B, Hkv),
@@ -196,7 +201,7 @@ def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int
         out_specs=[at(n_q, D), at(D, G * R), at(D), at(D), row, row],
         out_shape=[jax.ShapeDtypeStruct(s, dt) for s in ((B, Hkv, n_q, D), (B, Hkv, D, G * R),
                                                         (B, Hkv, D), (B, Hkv, D), (B, R), (B, R))],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="residual_decode_operands",
     )(*ins)
