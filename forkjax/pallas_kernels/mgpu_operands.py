@@ -48,6 +48,18 @@ from jax.experimental.pallas import triton as plgpu
 from forkjax.pallas_kernels.residual_attention import combine_splits
 
 
+def _store_w(w_ref, bk_ref, aid, h, q1, q2):
+    """W [D, G*R] (the module docstring) of KV head h from q's halves q1, q2 [G, D/2] (float32
+    values of the rows the attention kernel reads) and the request's B_k, whose halves are
+    loaded from the ref (Triton lowers no slice of a value)."""
+    half, f32 = q1.shape[1], jnp.float32
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    q1, q2 = (x.T[:, :, None] for x in (q1, q2))  # [D/2, G, 1]
+    b1, b2 = (bk_ref[aid, :, h, part].astype(f32).T[:, None, :] for part in (lo, hi))
+    w_ref[lo, :] = (q1 * b1 + q2 * b2).reshape(half, w_ref.shape[1]).astype(w_ref.dtype)
+    w_ref[hi, :] = (q2 * b1 - q1 * b2).reshape(half, w_ref.shape[1]).astype(w_ref.dtype)
+
+
 def _query_kernel(ids_ref, q_ref, bk_ref, qx_ref, w_ref, *, groups: int, rank: int):
     b, h = pl.program_id(0), pl.program_id(1)
     aid = ids_ref[b]
@@ -56,12 +68,8 @@ def _query_kernel(ids_ref, q_ref, bk_ref, qx_ref, w_ref, *, groups: int, rank: i
     dt = qx_ref.dtype
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     f32 = jnp.float32
-    # halves as columns: q's [D/2, G] (rounded to the pools' dtype first: W is built from the
-    # rows the kernel reads), B_k's [D/2, R]; from the refs (Triton lowers no slice of a value)
-    q1, q2 = (q_ref[:, part].astype(dt).astype(f32).T[:, :, None] for part in (lo, hi))
-    b1, b2 = (bk_ref[aid, :, h, part].astype(f32).T[:, None, :] for part in (lo, hi))
-    w_ref[lo, :] = (q1 * b1 + q2 * b2).reshape(half, groups * rank).astype(dt)
-    w_ref[hi, :] = (q2 * b1 - q1 * b2).reshape(half, groups * rank).astype(dt)
+    # q's halves, rounded to the pools' dtype first: W is built from the rows the kernel reads
+    _store_w(w_ref, bk_ref, aid, h, *(q_ref[:, part].astype(dt).astype(f32) for part in (lo, hi)))
     rows = lax.broadcasted_iota(jnp.int32, (n_q, d), 0)
     qx = jnp.zeros((n_q, d), f32)
     for g in range(groups):
@@ -148,11 +156,7 @@ def _decode_kernel(ids_ref, y_ref, cos_ref, sin_ref, *refs, groups: int, rank: i
     qx_ref[g_i, j_i + half] = r2
     rows = iota((n_q, d), 0)
     plgpu.store(qx_ref, jnp.zeros((n_q, d), dt), mask=rows >= G)  # (rows < G: stored above)
-    # W from the rounded roped q, as `query_operands` builds it
-    q1, q2 = (x.astype(f32).T[:, :, None] for x in (r1, r2))  # [D/2, G, 1]
-    b1, b2 = (bk_ref[aid, :, h, part].astype(f32).T[:, None, :] for part in (lo, hi))
-    w_ref[lo, :] = (q1 * b1 + q2 * b2).reshape(half, G * R).astype(dt)
-    w_ref[hi, :] = (q2 * b1 - q1 * b2).reshape(half, G * R).astype(dt)
+    _store_w(w_ref, bk_ref, aid, h, r1.astype(f32), r2.astype(f32))  # from the rounded q
     kb_ref[lo], kb_ref[hi] = rope(*(load(pl.ds(c_k + h * d + off, half)) for off in (0, half)))
     vb_ref[...] = y_ref[b, pl.ds(c_v + h * d, d)].astype(dt)
 
