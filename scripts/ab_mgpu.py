@@ -18,7 +18,8 @@ import ab_old_mgpu as old
 import bench_kernels as bk
 from forkjax.pallas_kernels import mgpu_decode as new
 
-cfgs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]
+cfgs = [{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}  # (jit: hashable)
+        for c in (json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}])]
 out = {}
 for rep in range(2):
     for name, mod in (("old", old), ("new", new)):

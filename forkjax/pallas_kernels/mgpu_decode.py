@@ -100,12 +100,16 @@ def _tiles(cols: int, dtype) -> tuple:
 
 
 def _mma(pairs, shapes):
-    """Issue sum_i a_i @ b_i for each output (a list of (a, b) pairs per output), all operands
-    in shared memory, then wait once -> float32 values [M, N] per output."""
+    """Issue sum_i a_i @ b_i for each output (a list of (a, b) pairs per output; a callable in
+    the list runs between the issues, e.g. a barrier wait for the operands after it), all
+    operands in shared memory, then wait once -> float32 values [M, N] per output."""
     def run(*accs):
         for acc, terms in zip(accs, pairs):
-            for a, b in terms:
-                plgpu.wgmma(acc, a, b)
+            for term in terms:
+                if callable(term):
+                    term()
+                else:
+                    plgpu.wgmma(acc, *term)
         plgpu.wgmma_wait(0)
         return tuple(acc[...] for acc in accs)
 
@@ -328,9 +332,12 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                     terms = [(q_smem, k_smem.at[slot].transpose((1, 0)))]
                 if use_u:  # + sum_r U[key, g * R + r] into column g: E^T is 1 at (g * R + r, g)
                     u = lax.rem(g + i, u_slots)
-                    with jax.named_scope("c_wait_u"):
-                        plgpu.barrier_wait(u_ready.at[u])
-                    terms.append((u_smem.at[u], e_smem))
+
+                    def wait_u():  # after K q^T is issued: U may still be on its way
+                        with jax.named_scope("c_wait_u"):  # (B=32, L=8k: -1.4%)
+                            plgpu.barrier_wait(u_ready.at[u])
+
+                    terms += [wait_u, (u_smem.at[u], e_smem)]
                 with jax.named_scope("c_s_mma"):
                     (s,) = _mma([terms], [s_shape])
                 plgpu.barrier_arrive(k_free.at[slot])
