@@ -27,10 +27,10 @@ score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated
 8k positions) stays in L2 and W is computed per call by a Triton kernel (mgpu_operands.py,
 which also pads q, and runs the epilogue when there is one split).
 
-Status (H200, BENCHMARKS.md "Mosaic GPU residual decode", tenth session): B=32, L=8k residual
-~322 us a call (the kernel 305) against the Triton unified kernel's ~256 and the Triton residual
-kernel's ~416; B=64, L=2k ~189. `residual_attention_decode` (so the engine) runs it on a GPU
-where `supports` says so.
+Status (H200, with its operand and epilogue kernels, scripts/ab_mgpu.py; BENCHMARKS.md, sixteenth
+session): B=32, L=8k ~307 us a call (tenth session: the Triton unified kernel ~256, the Triton
+residual kernel ~416); B=64, L=2k ~173. `residual_attention_decode` (so the engine) runs it on a
+GPU where `supports` says so.
 A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed what bound the
 untransposed version: the attention warpgroup never waited, the producer and the K-LoRA
 warpgroup waited for it. Tried and slower (BENCHMARKS.md): a 4th K/V stage (the residual inputs
