@@ -15,7 +15,7 @@ import jax
 
 from forkjax import pallas_kernels as pk
 from forkjax.cache import write_kv
-from forkjax.models.attention import QKV, merge_kv
+from forkjax.models.attention import QKV
 from forkjax.pallas_kernels import kv_write, mgpu_decode, mgpu_operands
 
 
@@ -59,8 +59,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         (kb, kr), (vb, vr) = qkv.k(), qkv.v()
         pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
     else:
-        keys, values = merge_kv(qkv.k(), qkv.v(), b_k, b_v, qkv.rope, batch.group_sizes,
-                                precision)
+        keys, values = qkv.merged_kv(precision)
         pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
     nb = m.prefix_lengths.shape[0]
     ops = _KERNELS if use_pallas else _REFERENCES

@@ -65,6 +65,16 @@ class QKV:
         vb, rows = self._parts["v_proj"]
         return vb.reshape(-1, hkv, hd), own_slot(rows)
 
+    def merged_kv(self, precision=None):
+        """-> full K (RoPE) and V, each [T, Hkv, D]: the (base, residual) pairs merged."""
+        (kb, kr), (vb, vr) = self.k(), self.v()
+        t, hkv, hd = kb.shape
+        # kr[:, None] [T, 1, R]: slot_rows broadcasts it over the N slots
+        k_lora, v_lora = (lora_expand(slot_rows(xa[:, None], self.group_sizes), self.b(part),
+                                      precision).reshape(t, hkv, hd)
+                          for xa, part in ((kr, "k_proj"), (vr, "v_proj")))
+        return kb + apply_rope(k_lora, *self.rope), vb + v_lora
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -72,23 +82,11 @@ class DenseMeta:
     segment_ids: jax.Array  # [T] int32 sequence of every token; -1 for padding
 
 
-def merge_kv(k, v, b_k, b_v, rope, group_sizes, precision=None):
-    """(base [T,Hkv,D], res [T,R]) pairs -> full K (RoPE) and V, each [T, Hkv, D]."""
-    (kb, kr), (vb, vr) = k, v
-    t, hkv, hd = kb.shape
-    # kr[:, None] [T, 1, R]: slot_rows broadcasts it over the N slots
-    k_lora = lora_expand(slot_rows(kr[:, None], group_sizes), b_k, precision)
-    v_lora = lora_expand(slot_rows(vr[:, None], group_sizes), b_v, precision)
-    k_lora, v_lora = k_lora.reshape(t, hkv, hd), v_lora.reshape(t, hkv, hd)
-    return kb + apply_rope(k_lora, *rope), vb + v_lora
-
-
 def dense_attention(layer, qkv: QKV, batch, state, precision=None):
     """Causal attention within each segment -> [T, Hq, D]."""
     del layer
     q = qkv.q()
-    keys, values = merge_kv(qkv.k(), qkv.v(), qkv.b("k_proj"), qkv.b("v_proj"), qkv.rope,
-                            batch.group_sizes, precision)
+    keys, values = qkv.merged_kv(precision)
     t, hq, hd = q.shape
     group = hq // keys.shape[1]
     keys = jnp.repeat(keys, group, axis=1)
