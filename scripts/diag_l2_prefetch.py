@@ -91,7 +91,8 @@ def part_a(results):
             names = [k for k, _ in runs[0]]
             # the GEMM's kernels (a split-K GEMM ends in a loop_reduce) come after the flush's
             # (loop_multiply) and the read's (input_reduce)
-            first = max(i for i, k in enumerate(names) if "multiply" in k or "input_reduce" in k) + 1
+            first = 1 + max(i for i, k in enumerate(names)
+                            if "multiply" in k or "input_reduce" in k)
             gemm = statistics.median(sum(t for _, t in r[first:]) for r in runs) * 1e3
             read = statistics.median(sum(t for _, t in r[1:first]) for r in runs) * 1e3
             row = dict(gemm=name, warm_mib=round(rows * inp * 2 / MIB, 1) if rows else 0,

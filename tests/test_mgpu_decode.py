@@ -121,6 +121,8 @@ def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, lay
 
 @pytest.mark.parametrize("lengths,group,d,r,k_splits,stages,consumers,layers,ctas", [
     ([1, 37, 130, 64], 4, 64, 16, None, 2, 2, False, None),  # k_splits None: 3, one per block
+    # 16 (request, KV head) items, 2 splits: the Triton combine of several splits
+    ([1, 37, 130, 64, 200, 16, 90, 300], 4, 64, 16, 2, 2, 1, False, None),
     ([200, 16, 513], 8, 128, 16, 1, 2, 1, True, 4),
     ([700, 90], 1, 128, 32, 3, 3, 1, False, None),
     ([300, 90, 1], 12, 64, 16, 1, 3, 1, False, None),  # G = 12: the XLA operands and epilogue

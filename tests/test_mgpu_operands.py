@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax._src.mesh import AbstractDevice
 
+from forkjax.pallas_kernels.mgpu_decode import MASK_VALUE
 from forkjax.pallas_kernels.mgpu_operands import (
     decode_operands,
     query_operands,
@@ -31,38 +32,55 @@ def lower_for_h200(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _case(seed, B=3, Hkv=2, D=64, NQ=16, RB=64, R=16, N=5):
+def _case(seed, B=3, Hkv=2, D=64, NQ=16, RB=64, R=16, N=5, S=1):
+    """The kernel's outputs for S splits: o_t, or_t (row R: l), ml (row 0: m), or None for one
+    split; split 1 of request 1 saw no key (m = -huge, O, l = 0) when S > 1."""
     rng = np.random.default_rng(seed)
-    o_t = rng.standard_normal((B, 1, Hkv, D, NQ)).astype(np.float32)
-    or_t = rng.standard_normal((B, 1, Hkv, RB, NQ)).astype(np.float32)
-    or_t[..., R, :] = rng.uniform(0.5, 3.0, (B, 1, Hkv, NQ))  # l
-    or_t[0, 0, 1, R, 2] = 0.0  # l = 0 (a row no key reached): divided by 1, not NaN
+    o_t = rng.standard_normal((B, S, Hkv, D, NQ)).astype(np.float32)
+    or_t = rng.standard_normal((B, S, Hkv, RB, NQ)).astype(np.float32)
+    or_t[..., R, :] = rng.uniform(0.5, 3.0, (B, S, Hkv, NQ))  # l
+    or_t[0, :, 1, R, 2] = 0.0  # l = 0 (a row no key reached): divided by 1, not NaN
+    ml = None
+    if S > 1:
+        ml = rng.uniform(-4.0, 4.0, (B, S, Hkv, 2, NQ)).astype(np.float32)
+        ml[0, :, 1, 0, 2] = MASK_VALUE
+        ml[1, 1, :, 0, :] = MASK_VALUE
+        o_t[1, 1], or_t[1, 1] = 0.0, 0.0
     b_v = rng.standard_normal((N, R, Hkv, D)).astype(np.float32)
     ids = rng.permutation(N)[:B].astype(np.int32)  # requests of shuffled adapter slots
-    return o_t, or_t, b_v, ids
+    return o_t, or_t, b_v, ids, ml
 
 
-def _want(o_t, or_t, b_v, ids, G):
-    """O = (O^T + B_v^T O_r^T)^T / l, float64."""
-    B, _, Hkv, D, _ = o_t.shape
+def _want(o_t, or_t, b_v, ids, ml, G):
+    """O = (sum_s w_s O_s^T + B_v^T sum_s w_s O_r,s^T)^T / sum_s w_s l_s, w_s = 2^(m_s - max m),
+    float64."""
+    B, S, Hkv, D, _ = o_t.shape
     R = b_v.shape[1]
     ot, ort, bv = (np.asarray(a, np.float64) for a in (o_t, or_t, b_v))
+    m = np.zeros((B, S, Hkv, G)) if ml is None else np.asarray(ml, np.float64)[:, :, :, 0, :G]
+    w = np.exp2(m - m.max(axis=1, keepdims=True))  # [B, S, Hkv, G]
     out = np.zeros((B, Hkv, G, D))
     for b in range(B):
         for h in range(Hkv):
-            l = ort[b, 0, h, R, :G]
-            lora = ort[b, 0, h, :R, :G].T @ bv[ids[b], :, h, :]
-            out[b, h] = (ot[b, 0, h, :, :G].T + lora) / np.where(l > 0, l, 1.0)[:, None]
+            ws = w[b, :, h]  # [S, G]
+            l = (ws * ort[b, :, h, R, :G]).sum(0)
+            o = np.einsum("sg,sdg->gd", ws, ot[b, :, h, :, :G])
+            o_r = np.einsum("sg,srg->gr", ws, ort[b, :, h, :R, :G])
+            out[b, h] = (o + o_r @ bv[ids[b], :, h, :]) / np.where(l > 0, l, 1.0)[:, None]
     return out.reshape(B, Hkv * G, D)
 
 
-@pytest.mark.parametrize("G,R,RB,D,dtype", [(4, 16, 64, 64, jnp.float32),
-                                            (8, 32, 64, 128, jnp.bfloat16),
-                                            (2, 16, 32, 64, jnp.float16)])
-def test_residual_combine(G, R, RB, D, dtype):
-    o_t, or_t, b_v, ids = _case(G + R, R=R, RB=RB, D=D)
-    want = _want(o_t, or_t, np.asarray(jnp.asarray(b_v, dtype), np.float32), ids, G)
-    args = (jnp.asarray(o_t), jnp.asarray(or_t), jnp.asarray(b_v, dtype), jnp.asarray(ids))
+@pytest.mark.parametrize("G,R,RB,D,S,dtype", [(4, 16, 64, 64, 1, jnp.float32),
+                                              (8, 32, 64, 128, 1, jnp.bfloat16),
+                                              (2, 16, 32, 64, 1, jnp.float16),
+                                              (4, 16, 64, 128, 2, jnp.bfloat16),
+                                              (4, 16, 32, 64, 5, jnp.float32)])
+def test_residual_combine(G, R, RB, D, S, dtype):
+    """One split, and several (the decode's small batches) with one that saw no key."""
+    o_t, or_t, b_v, ids, ml = _case(G + R + S, R=R, RB=RB, D=D, S=S)
+    want = _want(o_t, or_t, np.asarray(jnp.asarray(b_v, dtype), np.float32), ids, ml, G)
+    args = (jnp.asarray(o_t), jnp.asarray(or_t), jnp.asarray(b_v, dtype), jnp.asarray(ids),
+            None if ml is None else jnp.asarray(ml))
     got = residual_combine(*args, groups=G, dtype=dtype, interpret=INTERPRET)
     ref = residual_combine_reference(*args, groups=G, dtype=dtype)
     assert got.shape == (3, 2 * G, D) and got.dtype == dtype
@@ -72,14 +90,14 @@ def test_residual_combine(G, R, RB, D, dtype):
 
 
 def test_residual_combine_rejects_what_it_cannot_do():
-    o_t, or_t, b_v, ids = _case(0)
-    with pytest.raises(ValueError, match="one split"):  # two splits
-        residual_combine(jnp.asarray(np.concatenate([o_t, o_t], 1)), jnp.asarray(or_t),
-                         jnp.asarray(b_v), jnp.asarray(ids), groups=4, dtype=jnp.float32,
-                         interpret=INTERPRET)
-    with pytest.raises(ValueError, match="one split"):  # R + 1 = 17 rows of O_r^T needed
-        residual_combine(jnp.asarray(o_t), jnp.asarray(or_t[..., :16, :]), jnp.asarray(b_v),
-                         jnp.asarray(ids), groups=4, dtype=jnp.float32, interpret=INTERPRET)
+    o_t, or_t, b_v, ids, _ = _case(0)
+    two = jnp.asarray(np.concatenate([o_t, o_t], 1))
+    for bad in ((two, jnp.asarray(np.concatenate([or_t, or_t], 1)), None),  # 2 splits, no ml
+                (jnp.asarray(o_t), jnp.asarray(or_t), jnp.zeros((3, 1, 2, 2, 16))),  # ml, 1
+                (jnp.asarray(o_t), jnp.asarray(or_t[..., :16, :]), None)):  # R + 1 = 17 rows
+        with pytest.raises(ValueError, match="several splits"):
+            residual_combine(bad[0], bad[1], jnp.asarray(b_v), jnp.asarray(ids), bad[2],
+                             groups=4, dtype=jnp.float32, interpret=INTERPRET)
 
 
 def _want_query(q, b_k, ids, n_q, dtype):
@@ -202,11 +220,14 @@ def test_kernels_lower_for_cuda():
     ids, b = S((64,), jnp.int32), S((9, 16, 8, 128), jnp.bfloat16)
     text = lower_for_h200(functools.partial(query_operands, n_q=16, dtype=jnp.bfloat16),
                           S((64, 32, 128), jnp.bfloat16), b, ids)
-    text += lower_for_h200(functools.partial(residual_combine, groups=4, dtype=jnp.bfloat16),
-                           S((64, 1, 8, 128, 16), jnp.float32), S((64, 1, 8, 64, 16),
-                                                                   jnp.float32), b, ids)
+    # B=64 decode; B=1 and B=3 (several splits, 5 not a power of 2; D in 8 and 4 slices)
+    for B, splits in ((64, 1), (1, 16), (3, 5)):
+        text += lower_for_h200(
+            functools.partial(residual_combine, groups=4, dtype=jnp.bfloat16),
+            S((B, splits, 8, 128, 16), jnp.float32), S((B, splits, 8, 64, 16), jnp.float32),
+            b, S((B,), jnp.int32), None if splits == 1 else S((B, splits, 8, 2, 16), jnp.float32))
     (y, cos, sin, b_q, b_k, ids), static = _decode_case(0, 4, 16, 128, True, jnp.bfloat16,
                                                         B=64, Hkv=8, N=9)  # y float32
     text += lower_for_h200(functools.partial(decode_operands, **static, n_q=16),
                            y, cos, sin, b_q, b_k, ids)
-    assert text.count("xla.gpu.triton") == 3
+    assert text.count("xla.gpu.triton") == 5

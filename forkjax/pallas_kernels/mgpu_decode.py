@@ -25,7 +25,7 @@ so a 64-key block costs the K-LoRA warpgroup one [64, D] @ [D, G*R] wgmma and on
 product with rK repeated G times along columns (U), and the consumer sums over r inside its
 score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
 8k positions) stays in L2 and W is computed per call by a Triton kernel (mgpu_operands.py,
-which also pads q, and runs the epilogue when there is one split).
+which also pads q, and runs the epilogue).
 
 Status (H200, with its operand and epilogue kernels, scripts/ab_mgpu.py; BENCHMARKS.md, sixteenth
 session): B=32, L=8k ~307 us a call (tenth session: the Triton unified kernel ~256, the Triton
@@ -490,8 +490,10 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     residual = res is not None
     ppb = BLOCK_K // S
     mp = -(-page_table.shape[1] // ppb) * ppb
-    if k_splits is None:  # one CTA per SM (shared memory): split the keys until all SMs work
-        k_splits = max(1, min(-(-SMS // (B * Hkv)), mp // ppb))
+    if k_splits is None:  # one CTA per SM (shared memory): split the keys so that the items
+        # fill the SMs in at most one wave (rounded up, a second wave as long as the first ran
+        # a few CTAs: scripts/diag_decode_splits.py)
+        k_splits = max(1, min(SMS // (B * Hkv), mp // ppb))
     n_items = B * Hkv * k_splits
     n_ctas = _num_ctas(n_items, ctas, consumers)
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
@@ -540,11 +542,13 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
     if residual and "rv" not in skip:  # O^T and O_r^T (its row R: l, P summed by its wgmma)
-        if triton_ops and n_out == 1:  # one split: the epilogue as one kernel
-            return residual_combine(o, rest[0], b_v, adapter_ids, groups=G, dtype=out_dtype,
-                                    interpret=interpret)
-        return residual_combine_reference(o, rest[0], b_v, adapter_ids, groups=G,
-                                          dtype=out_dtype, m=ml[:, :, :, 0])
+        ml = ml if n_out > 1 else None  # (one split: nothing to rescale)
+        if triton_ops and B * Hkv >= 16:  # the epilogue as one kernel of a program a (request,
+            # KV head); with fewer, XLA's is faster (mgpu_operands.py's docstring)
+            return residual_combine(o, rest[0], b_v, adapter_ids, ml, groups=G,
+                                    dtype=out_dtype, interpret=interpret)
+        return residual_combine_reference(o, rest[0], b_v, adapter_ids, ml, groups=G,
+                                          dtype=out_dtype)
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
     o_r = bv = None
     l = ml[:, :, :, 1, :G]

@@ -19,17 +19,22 @@ the q LoRA mask and expand, q's RoPE and add, k's RoPE, v's slice and the own-sl
 before `query_operands`: B=64 decode 10.69 -> 10.42 ms on the H200 (BENCHMARKS.md, fifteenth
 session).
 
-Epilogue (`residual_combine`), for one split-K split (large batches):
-the Mosaic residual decode leaves its accumulators transposed, O^T [D, NQ] and
-O_r^T [.., NQ] (row R: the softmax denominator l), with the G real query heads in the first
-columns. The output is O = (O^T + B_v^T O_r^T)^T / l per (request, KV head), B_v the request's
-adapter's. As XLA ops that was a fusion and a transpose kernel, 6.4 us of every layer of a B=64
-decode step on the H200 (BENCHMARKS.md, twelfth session); here one program per (request, KV head)
-reads its tiles once, applies B_v in float32 as a broadcast product summed over R, and writes
-[G, D] in the output dtype.
+Epilogue (`residual_combine`): the Mosaic residual decode leaves its accumulators transposed,
+per split-K split, O^T [D, NQ] and O_r^T [.., NQ] (row R: the softmax denominator l), with the G
+real query heads in the first columns. The output is O = (O^T + B_v^T O_r^T)^T / l per
+(request, KV head), B_v the request's adapter's, after the splits are rescaled to their common
+maximum (flash-decoding). As XLA ops that was a fusion and a transpose kernel, 6.4 us of every
+layer of a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session), and with 2-5 splits
+3-7 us a call more than this kernel (B=4 to 16; seventeenth session); here one program per
+(request, KV head) reads its tiles once, applies B_v in float32 as a broadcast product summed
+over R, and writes [G, D] in the output dtype. With fewer than 16 programs (B=1: 8, with 16
+splits) XLA's combine, spread over more SMs, was faster (15.3 against 17.9 us a call), and
+`mgpu_decode` runs it there.
 
-    o_t     [B, 1, Hkv, D, NQ]   float32, O^T of the one split
-    or_t    [B, 1, Hkv, RB, NQ]  float32, O_r^T (rows R+1.. unused; RB >= R + 1)
+    o_t     [B, S, Hkv, D, NQ]   float32, O^T of each split
+    or_t    [B, S, Hkv, RB, NQ]  float32, O_r^T (rows R+1.. unused; RB >= R + 1)
+    ml      [B, S, Hkv, 2, NQ]   float32, row 0: each split's running maximum (base 2); None
+                                 for one split
     b_v     [N, R, Hkv, D]       every adapter slot's B_v
     adapter_ids [B] int32
     out     [B, Hkv * G, D]
@@ -211,50 +216,71 @@ def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int
     )(*ins)
 
 
-def _combine_kernel(ids_ref, o_ref, or_ref, bv_ref, out_ref, *, groups: int, rank: int):
+def _combine_kernel(ids_ref, o_ref, or_ref, *refs, groups: int, rank: int):
+    """o_ref [S, D, NQ], or_ref [S, RB, NQ] (ml_ref [S, 2, NQ] with S > 1) -> out_ref [G, D]."""
+    *ml_ref, bv_ref, out_ref = refs
     b, h = pl.program_id(0), pl.program_id(1)
     g = pl.ds(0, groups)
-    aid = ids_ref[b]
-    o_r = or_ref[pl.ds(0, rank), g]  # [R, G]
-    bv = bv_ref[aid, :, h, :].astype(jnp.float32)  # [R, D]
-    acc = o_ref[:, g].T + jnp.sum(o_r[:, :, None] * bv[:, None, :], axis=0)  # [G, D]
-    l = or_ref[rank, g]
+    splits = o_ref.shape[0]
+    if splits == 1:
+        w = [None]
+    else:  # each split's weight exp2(m_s - max m); a split that saw no key has m = -huge: 0
+        m = [ml_ref[0][s, 0, g] for s in range(splits)]  # [G] each
+        m_max = functools.reduce(jnp.maximum, m)
+        w = [jnp.exp2(x - m_max) for x in m]
+
+    def total(part):  # sum over splits of w_s * part(s), part(s) [G] or [rows, G]
+        return functools.reduce(jnp.add, [part(s) if w[s] is None else w[s] * part(s)
+                                          for s in range(splits)])
+
+    o_r = total(lambda s: or_ref[s, pl.ds(0, rank), g])  # [R, G]
+    l = total(lambda s: or_ref[s, rank, g])  # [G]
+    bv = bv_ref[ids_ref[b], :, h, :].astype(jnp.float32)  # [R, D]
+    acc = total(lambda s: o_ref[s, :, g]).T + jnp.sum(o_r[:, :, None] * bv[:, None, :], axis=0)
     out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("groups", "dtype", "interpret"))
-def residual_combine(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, interpret=False):
+def residual_combine(o_t, or_t, b_v, adapter_ids, ml=None, *, groups: int, dtype,
+                     interpret=False):
     """-> [B, Hkv * groups, D] in `dtype` (see the module docstring)."""
     B, splits, Hkv, D, NQ = o_t.shape
     R = b_v.shape[1]
     rows = pl.next_power_of_2(R + 1)
-    if splits != 1 or or_t.shape[3] < rows or groups > NQ or not supported(groups, R, D):
-        raise ValueError(f"residual_combine: one split, R + 1 <= O_r^T rows and powers of two, "
-                         f"got o_t {o_t.shape}, or_t {or_t.shape}, R={R}, groups={groups}")
+    if ((ml is None) != (splits == 1) or or_t.shape[3] < rows or groups > NQ
+            or not supported(groups, R, D)):
+        raise ValueError(f"residual_combine: ml with (only) several splits, R + 1 <= O_r^T rows "
+                         f"and powers of two, got o_t {o_t.shape}, or_t {or_t.shape}, "
+                         f"ml {None if ml is None else ml.shape}, R={R}, groups={groups}")
+
+    def split_block(rows_):  # [B, S, Hkv, rows_, NQ] -> the (request, KV head)'s [S, rows_, NQ]
+        return pl.BlockSpec((None, splits, None, rows_, NQ), lambda b, h: (b, 0, h, 0, 0))
+
+    in_specs = [pl.BlockSpec((B,), lambda b, h: (0,)), split_block(D), split_block(rows)]
+    args = [adapter_ids.astype(jnp.int32), o_t, or_t]
+    if ml is not None:
+        in_specs.append(split_block(2))
+        args.append(ml)
     out = pl.pallas_call(
         functools.partial(_combine_kernel, groups=groups, rank=R),
         grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((B,), lambda b, h: (0,)),
-                  pl.BlockSpec((None, None, None, D, NQ), lambda b, h: (b, 0, h, 0, 0)),
-                  pl.BlockSpec((None, None, None, rows, NQ), lambda b, h: (b, 0, h, 0, 0)),
-                  pl.BlockSpec(b_v.shape, lambda b, h: (0, 0, 0, 0))],
+        in_specs=in_specs + [pl.BlockSpec(b_v.shape, lambda b, h: (0, 0, 0, 0))],
         out_specs=pl.BlockSpec((None, None, groups, D), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, groups, D), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="residual_combine",
-    )(adapter_ids.astype(jnp.int32), o_t, or_t, b_v)
+    )(*args, b_v)
     return out.reshape(B, Hkv * groups, D)
 
 
-def residual_combine_reference(o_t, or_t, b_v, adapter_ids, *, groups: int, dtype, m=None):
-    """The same in XLA ops, for any number of split-K splits: m [B, S, Hkv, NQ] float32, the
-    splits' running maxima (None: one split, which needs none). Only the G real query columns
-    are sliced out first, so the combine moves G/NQ of the data."""
+def residual_combine_reference(o_t, or_t, b_v, adapter_ids, ml=None, *, groups: int, dtype):
+    """The same in XLA ops, for any shapes. Only the G real query columns are sliced out first,
+    so the combine moves G/NQ of the data."""
     B, _, Hkv, D, _ = o_t.shape
     R = b_v.shape[1]
     o, o_r = o_t[..., :groups].swapaxes(-1, -2), or_t[..., :R, :groups].swapaxes(-1, -2)
     bv = b_v[adapter_ids.astype(jnp.int32)].astype(jnp.float32)  # [B, R, Hkv, D]
-    m = jnp.zeros(o.shape[:-1], jnp.float32) if m is None else m[..., :groups]
+    m = jnp.zeros(o.shape[:-1], jnp.float32) if ml is None else ml[..., 0, :groups]
     out = combine_splits(o, m, or_t[..., R, :groups], o_r, bv)
     return out.reshape(B, Hkv * groups, D).astype(dtype)
