@@ -60,8 +60,8 @@ def read_rows(w, rows, after=None, stream=True):
 
 
 def gate(x, token):
-    """x, not usable before token exists (a scheduling edge, no kernel)."""
-    return lax.optimization_barrier((x, token))[0]
+    """x, not usable before token exists (a scheduling edge, no kernel); token None: x."""
+    return x if token is None else lax.optimization_barrier((x, token))[0]
 
 
 def kernels_ms(f, args, iters=10):
@@ -117,18 +117,16 @@ def layers_fn(plan, stream):
         for i, ((wo, wgu, wd, wqkv), kv) in enumerate(zip(ws, kvs)):
             t = pre("gate_up", wgu, a)  # runs beside the o GEMM and the add and norm
             h = rms(h + dot(a, wo)[:, :D])
-            x = h if t is None else gate(h, t)
-            gu = dot(x, wgu)
+            gu = dot(gate(h, t), wgu)
             t = pre("down", wd, gu)
             act = jax.nn.silu(gu[:, :F]) * gu[:, F:2 * F]
-            d = dot(act if t is None else gate(act, t), wd)
+            d = dot(gate(act, t), wd)
             t = pre("qkv", wqkv, d)
             h = rms(h + d[:, :D])
-            qkv = dot(h if t is None else gate(h, t), wqkv)
+            qkv = dot(gate(h, t), wqkv)
             t = pre("o", ws[(i + 1) % len(ws)][0], qkv)  # the next layer's o
             s = jnp.max(kv).astype(qkv.dtype)  # the attention stand-in: 537 MB read
-            a = qkv[:, :Q] * (1 + 0 * s)
-            a = a if t is None else gate(a, t)
+            a = gate(qkv[:, :Q] * (1 + 0 * s), t)
         return h, a
     return jax.jit(fn)
 
