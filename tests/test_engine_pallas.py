@@ -20,6 +20,7 @@ def _tokens(policy, **kw):
     return engine.generate(PROMPTS, adapters=ADAPTERS, max_new_tokens=5, ignore_eos=True)
 
 
-@pytest.mark.parametrize("policy", ["forkkv", "prefix"])
-def test_pallas_path_gives_the_reference_tokens(policy):
-    assert _tokens(policy, use_pallas=True) == _tokens(policy, use_pallas=False)
+@pytest.mark.parametrize("policy,kw", [("forkkv", {}), ("prefix", {}),
+                                       ("forkkv", dict(residual_fanout=True))])
+def test_pallas_path_gives_the_reference_tokens(policy, kw):
+    assert _tokens(policy, use_pallas=True, **kw) == _tokens(policy, use_pallas=False, **kw)

@@ -255,7 +255,10 @@ class SeqCache:
     def fanout_slots(self, start: int, end: int, out: np.ndarray) -> None:
         """Fill out [end-start, N] int32 (zeros on entry): column j the residual slots of
         adapter slot j's fan-out pool for positions [start, end), 0 where it has them."""
-        if self.fanout:
+        if end - start == 1:  # decode: no numpy temporaries (host time is on the step)
+            for slot, pool in self.fanout.items():
+                out[0, slot] = pool.slot(start)
+        elif self.fanout:
             positions = np.arange(start, end, dtype=np.int32)
             for slot, pool in self.fanout.items():
                 out[:, slot] = pool.slots(positions)
