@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 CACHE_POLICIES = ("forkkv", "prefix", "full_reuse", "lrshared")
 DTYPES = ("float32", "bfloat16")
+SCHEDULE_POLICIES = ("lpm", "fifo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +136,9 @@ class EngineConfig:
     # Projections that carry LoRA slots (k_proj and v_proj always). None: the modules the
     # adapters given at start target, or all seven when none are given.
     lora_target_modules: tuple[str, ...] | None = None
+    residual_fanout: bool = False  # forkkv: requests write every loaded adapter's residual
+    residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
+    schedule_policy: str = "lpm"  # "lpm" (cache-aware admission) | "fifo"
 
     def __post_init__(self):
         if self.cache_policy not in CACHE_POLICIES:
@@ -149,3 +153,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r}: expected a positive int or None")
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
+        if self.residual_fanout and self.cache_policy != "forkkv":
+            raise ValueError(f"residual_fanout=True needs cache_policy='forkkv', not {self.cache_policy!r}")
+        if self.residual_fraction is not None and not (
+                isinstance(self.residual_fraction, (int, float)) and 0 < self.residual_fraction < 1):
+            raise ValueError(f"residual_fraction={self.residual_fraction!r}: expected a number in (0, 1)")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected one of {SCHEDULE_POLICIES}")

@@ -15,8 +15,11 @@ def test_page_bytes_and_budget_split_llama8b():
     assert lay.res_page_bytes == 2 * 32 * 16 * 16 * 2  # n/r = 64 times smaller
     assert lay.nbytes <= 40 * GiB
     assert 40 * GiB - lay.nbytes < lay.base_page_bytes + lay.res_page_bytes
-    # Default forkkv split: eight residual token slots per base token slot.
-    assert lay.res_pages / lay.base_pages == pytest.approx(8, rel=1e-3)
+    # Default split: one residual token slot per base token slot and adapter (one by default).
+    assert lay.res_pages / lay.base_pages == pytest.approx(1, rel=1e-3)
+    three = PoolLayout.from_budget(**LLAMA8B, kv_cache_bytes=40 * GiB, residual_copies=3)
+    assert three.res_pages / three.base_pages == pytest.approx(3, rel=1e-3)
+    assert three.res_pages * three.res_page_bytes / (40 * GiB) == pytest.approx(3 / 67, rel=1e-3)
 
 
 def test_policies_without_residual_keep_a_sink_only_residual_pool():

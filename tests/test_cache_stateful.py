@@ -4,7 +4,10 @@ A fake device (`FakePools`) records which token, written by which adapter, sits 
 After each step: DualRadixCache.check() (no page leaked or freed twice, refcounts == holders,
 locked nodes attached, free + evictable + protected + private == total per pool), and every live
 request reads back exactly its own tokens through its page tables, with residual slots written
-by its own adapter wherever the policy keys the residual (or merged base) by adapter.
+by its own adapter wherever the policy keys the residual (or merged base) by adapter. Under
+`forkkv` requests may fan out (write other agents' residuals: tagged with the agent whose
+namespace they go to), followers take over pages a request in flight inserts, and waiting
+requests and sessions hold (pin) prefixes.
 
 FORKJAX_HYPOTHESIS_SCALE=10 runs ten times more examples (the CI default keeps this under ~1 min).
 """
@@ -62,6 +65,7 @@ class CacheMachine(RuleBasedStateMachine):
         res_pages = self.cache.res_tree.allocator.num_pages if self.cache.res_tree else 1
         self.dev = FakePools(40, res_pages)
         self.live: list[Request] = []
+        self.holds = []
         self.rng = np.random.default_rng(0)
 
     def tag(self, adapter) -> int:
@@ -72,8 +76,13 @@ class CacheMachine(RuleBasedStateMachine):
         tail = data.draw(st.lists(st.integers(1, 4), min_size=0 if len(prefix) else 1, max_size=10))
         return np.concatenate([prefix, np.asarray(tail, np.int32)]).astype(np.int32)
 
-    def _begin(self, tokens, adapter) -> Request:
-        req = Request(self.cache.begin(tokens, adapter), tokens, adapter)
+    def _begin(self, tokens, adapter, fanout=()) -> Request:
+        fanout = {ADAPTERS.index(a): a for a in fanout if a not in (adapter, None)}
+        if self.policy != "forkkv":
+            fanout = {}
+        req = Request(self.cache.begin(tokens, adapter, fanout=fanout), tokens, adapter)
+        if req.h.fanout:
+            event("fan-out")
         if req.h.res and req.h.res_len > req.h.base_len:
             event("partial hit: residual cached, base evicted")
         if req.h.res and req.h.base_len > req.h.res_len:
@@ -97,15 +106,57 @@ class CacheMachine(RuleBasedStateMachine):
         start = min(req.written, req.h.cached_len)
         base_slots, res_slots = req.h.slot_mapping(start, len(tokens))
         self.dev.write(base_slots, res_slots, tokens[start:], self.tag(req.adapter))
+        fan = np.zeros((len(tokens) - start, len(ADAPTERS)), np.int32)
+        req.h.fanout_slots(start, len(tokens), fan)
+        for slot in req.h.fanout:  # written from this request's x, into agent `slot`'s residual
+            self.dev.write(np.zeros_like(fan[:, slot]), fan[:, slot], tokens[start:], slot)
         req.tokens, req.written = tokens, len(tokens)
         return True
 
-    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS), commit=st.booleans())
-    def begin_and_prefill(self, data, adapter, commit):
+    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS), commit=st.booleans(),
+          fanout=st.lists(st.sampled_from(ADAPTERS), max_size=2))
+    def begin_and_prefill(self, data, adapter, commit, fanout):
         tokens = self._tokens(data)
-        req = self._begin(tokens, adapter)
+        req = self._begin(tokens, adapter, fanout)
         if self._step(req, tokens) and commit:
             req.h.commit(req.tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS),
+          fanout=st.lists(st.sampled_from(ADAPTERS), max_size=2))
+    def follow(self, data, adapter, fanout):
+        """A request begins on a running request's uncommitted tokens, which that request then
+        inserts; the follower takes them over before it writes anything (in-flight sharing)."""
+        leader = data.draw(st.sampled_from(self.live))
+        tail = np.asarray(data.draw(st.lists(st.integers(1, 4), max_size=5)), np.int32)
+        tokens = np.concatenate([leader.tokens[: leader.written], tail])
+        if not len(tokens):
+            return
+        req = self._begin(tokens, adapter, fanout)
+        leader.h.commit(leader.tokens[: leader.written])
+        if req.h.extend_hits(tokens):
+            event("a follower took over pages inserted in flight")
+        h = req.h
+        self._check_reads(tokens, adapter, h.base_page_table, h.base.cached_len, h.res_page_table,
+                          h.res.cached_len if h.res else 0)
+        self._step(req, tokens)
+
+    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS), pin=st.booleans())
+    def hold(self, data, adapter, pin):
+        tokens = self._tokens(data)
+        hold = self.cache.hold(tokens, adapter, pin=pin)
+        assert hold.lengths == self.cache.match_lengths(tokens, adapter)
+        self.holds.append(hold)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data(), release=st.booleans())
+    def refresh_or_release_hold(self, data, release):
+        hold = data.draw(st.sampled_from(self.holds))
+        if release:
+            hold.release()
+            self.holds.remove(hold)
+        elif hold.refresh():
+            assert hold.lengths == self.cache.match_lengths(hold.tokens, hold.adapter_key)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS))
@@ -157,6 +208,11 @@ class CacheMachine(RuleBasedStateMachine):
     def evict(self, pool, n):
         self.cache.evict(n, pool)
 
+    @rule()
+    def flush(self):
+        self.cache.flush()
+        assert self.cache.base_tree.evictable_size() == 0
+
     @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS))
     def probe(self, data, adapter):
         tokens = self._tokens(data)
@@ -179,6 +235,8 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.cache.check()
+        base_room, res_room = self.cache.room()
+        assert base_room <= self.cache.base_tree.allocator.num_free + self.cache.base_tree.evictable_size()
         for req in self.live:
             h = req.h
             res_len = req.written if h.res else 0

@@ -90,7 +90,8 @@ def test_abort_in_flight_keeps_the_cache_consistent():
 
 def test_preemption_waits_for_the_step_in_flight(monkeypatch):
     """Running requests outgrow a 12-page pool: the overlap engine must stop, take in the step in
-    flight, then preempt; outputs equal the synchronous engine's and a large pool's."""
+    flight, then preempt; outputs equal the synchronous engine's and a large pool's. `fifo`
+    admits by prompt pages alone (`lpm` counts the generation too and would not preempt)."""
     raised = []
     decode_batch = Scheduler._decode_batch
 
@@ -105,7 +106,9 @@ def test_preemption_waits_for_the_step_in_flight(monkeypatch):
     prompts = [_prompt(30 + i, 40) for i in range(3)]
     names = ["planner", "coder", None]
     kw = dict(max_new_tokens=40, ignore_eos=True)
-    small = {ov: _engine(ov, kv_cache_bytes=12 * (32768 + 65536)) for ov in (True, False)}
+    small = {ov: _engine(ov, kv_cache_bytes=12 * (32768 + 3 * 8192),
+                    schedule_policy="fifo")
+             for ov in (True, False)}
     got = {ov: e.generate(prompts, adapters=names, **kw) for ov, e in small.items()}
     assert raised and small[True].stats()["preemptions"] > 0
     assert got[True] == got[False] == _engine(True).generate(prompts, adapters=names, **kw)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from forkjax.cache.allocator import PageAllocator
+from forkjax.cache.hold import PrefixHold
 from forkjax.cache.policy import SHARED, CachePolicy, get_policy
 from forkjax.cache.pool import PoolLayout
 from forkjax.cache.radix_tree import RadixTree, TreeNode
@@ -51,12 +52,14 @@ class DualRadixCache:
         res_len, res_pages, res_node = self.res_tree.match_prefix(res_ns, tokens)
         return MatchResult(base_len, res_len, base_pages, res_pages, base_node, res_node)
 
-    def begin(self, tokens, adapter_key: Hashable = None, *, count_hits: bool = True) -> SeqCache:
+    def begin(self, tokens, adapter_key: Hashable = None, *, count_hits: bool = True,
+              fanout: dict[int, Hashable] | None = None) -> SeqCache:
         """Match and lock a new request's prompt; `release()` the handle when it ends.
 
         The hit counters of `stats()` move when the handle's first `reserve` succeeds, and only
-        with `count_hits` (the engine passes False when it re-admits a preempted request, and a
-        request that waits for pages is not counted on every retry)."""
+        with `count_hits` (the engine passes False when it re-admits a preempted request).
+        `fanout` {adapter slot: adapter key}: the agents whose residuals this request also
+        writes (`forkkv` only: their residual namespaces must differ from its own)."""
         tokens = np.asarray(tokens, np.int32)
         m = self.match(tokens, adapter_key)
         base = PoolSeq("base", self.base_tree, self.policy.base_ns(adapter_key), m.base_len, m.base_pages,
@@ -65,19 +68,75 @@ class DualRadixCache:
         if m.res_node is not None:
             res = PoolSeq("residual", self.res_tree, self.policy.res_ns(adapter_key), m.res_len, m.res_pages,
                           m.res_node)
-        handle = SeqCache(self, adapter_key, len(tokens), base, res, count_hits=count_hits)
+        pools = {}
+        for slot, key in (fanout or {}).items():
+            ns = self.policy.res_ns(key)
+            if ns is None or ns == self.policy.res_ns(adapter_key) or self.policy.residual != "per_adapter":
+                raise ValueError(f"residual fan-out to {key!r} needs the forkkv policy and another agent")
+            length, pages, node = self.res_tree.match_prefix(ns, tokens)
+            pools[slot] = PoolSeq("residual", self.res_tree, ns, length, pages, node)
+        handle = SeqCache(self, adapter_key, len(tokens), base, res, count_hits=count_hits, fanout=pools)
         self._live.add(handle)
         return handle
+
+    def match_all(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list:
+        """[(tree, cached length, last node)] for the base namespace, the request's own residual
+        one (if it keeps a residual) and each fan-out agent's residual one."""
+        tokens = np.asarray(tokens, np.int32)
+        m = self.match(tokens, adapter_key)
+        out = [(self.base_tree, m.base_len, m.base_node)]
+        if m.res_node is not None:
+            out.append((self.res_tree, m.res_len, m.res_node))
+        for key in fanout_keys:
+            length, _, node = self.res_tree.match_prefix(self.policy.res_ns(key), tokens)
+            out.append((self.res_tree, length, node))
+        return out
+
+    def match_lengths(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list[int]:
+        return [length for _, length, _ in self.match_all(tokens, adapter_key, fanout_keys)]
+
+    def hold(self, tokens, adapter_key: Hashable = None, fanout_keys=(), *, pin: bool) -> PrefixHold:
+        """A soft lock on the cached prefix of `tokens` (hold.py); `release()` it."""
+        return PrefixHold(self, tokens, adapter_key, fanout_keys, pin=pin)
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """Changes whenever a match could find something else."""
+        return self.base_tree.version, self.res_tree.version if self.res_tree else 0
+
+    def room(self) -> tuple[int, int]:
+        """(base, residual) pages that admission may give out: free ones and unpinned evictable
+        ones."""
+        def pages(tree):
+            return tree.allocator.num_free + tree.evictable_size(pinned=False) if tree else 0
+        return pages(self.base_tree), pages(self.res_tree)
 
     def _count_hits(self, handle: SeqCache):
         self.prompt_tokens += handle.prompt_len
         self.base_hit_tokens += handle.base_len
         self.residual_hit_tokens += handle.res_len
 
+    def _count_extra(self, base: int, res: int):
+        """Hits a running request gained from pages others inserted while it waited."""
+        self.base_hit_tokens += base
+        self.residual_hit_tokens += res
+
+    def reset_stats(self) -> None:
+        self.prompt_tokens = self.base_hit_tokens = self.residual_hit_tokens = 0
+        for tree in (self.base_tree, self.res_tree):
+            if tree is not None:
+                tree.evicted_pages = 0
+
     def evict(self, num_pages: int, pool: str = "base") -> int:
-        """Free >= num_pages pages of one pool from its LRU unlocked leaves; returns pages freed."""
+        """Free >= num_pages pages of one pool from its LRU unlocked leaves, unheld ones first;
+        returns pages freed."""
         tree = {"base": self.base_tree, "residual": self.res_tree}[pool]
         return tree.evict(num_pages) if tree is not None else 0
+
+    def flush(self) -> int:
+        """Evict every unlocked page of both trees (held ones too); returns pages freed."""
+        return sum(tree.evict(tree.evictable_size()) for tree in (self.base_tree, self.res_tree)
+                   if tree is not None)
 
     def stats(self) -> dict:
         """DESIGN.md §3 cache keys (the engine adds decode_batch_size_mean) plus accounting extras.
@@ -103,6 +162,9 @@ class DualRadixCache:
             own += len(h.res.private_pages) * self.res_page_bytes if h.res else 0
             if own:
                 agent_bytes[h.adapter_key] = agent_bytes.get(h.adapter_key, 0) + own
+            for pool in h.fanout.values():  # another agent's residual, written by this request
+                if len(pool.private_pages):
+                    agent_bytes[pool.ns] = agent_bytes.get(pool.ns, 0) + len(pool.private_pages) * self.res_page_bytes
         return {
             "base_pages_total": base_alloc.num_usable,
             "base_pages_used": base_alloc.num_used,
@@ -113,6 +175,8 @@ class DualRadixCache:
             "prompt_tokens": self.prompt_tokens,
             "base_hit_tokens": self.base_hit_tokens,
             "residual_hit_tokens": self.residual_hit_tokens,
+            "evicted_base_pages": self.base_tree.evicted_pages,
+            "evicted_residual_pages": self.res_tree.evicted_pages if self.res_tree else 0,
             "base_pages_evictable": self.base_tree.evictable_size(),
             "base_pages_protected": self.base_tree.protected_size(),
             "residual_pages_evictable": self.res_tree.evictable_size() if self.res_tree else 0,
@@ -131,13 +195,11 @@ class DualRadixCache:
             holders = tree.check()
             private = 0
             for h in self._live:
-                seq = h.base if name == "base" else h.res
-                if seq is None:
-                    continue
-                locked = seq.node.parent is None or seq.node.lock_ref > 0  # a root needs no lock
-                assert locked and tree.is_attached(seq.node), f"{name}: a locked node is gone"
-                np.add.at(holders, seq.private_pages, 1)
-                private += len(seq.private_pages)
+                for seq in ([h.base] if name == "base" else h.pools[1:]):
+                    locked = seq.node.parent is None or seq.node.lock_ref > 0  # a root needs no lock
+                    assert locked and tree.is_attached(seq.node), f"{name}: a locked node is gone"
+                    np.add.at(holders, seq.private_pages, 1)
+                    private += len(seq.private_pages)
             bad = np.flatnonzero(holders != alloc.refcount)
             assert bad.size == 0, f"{name}: refcount != holders at pages {bad.tolist()}"
             total = alloc.num_free + tree.evictable_size() + tree.protected_size() + private

@@ -8,10 +8,11 @@ Page 0 of each pool is the padding sink (see allocator.py). Policies without a r
 sink-only residual pool (Pr = 1) so the kernel signature never changes.
 
 Budget split: `residual_fraction` of `kv_cache_bytes` goes to the residual pool. The default
-gives the residual pool DEFAULT_RESIDUAL_COPIES[policy] token slots per base-pool token slot:
-8 under `forkkv` (eight agents forked off every cached base token on average), 1 under
-`lrshared` (one shared residual per base token). For Llama-3-8B at r=16 (n/r = 64) that is 11%
-and 1.5% of the budget.
+gives the residual pool `residual_copies` token slots per base-pool token slot: the engine asks
+for one per adapter loaded at start under `forkkv` (every agent keeps its residual of every cached
+base token; with residual fan-out every agent's is written), one under `lrshared` (one shared
+residual per base token). For Llama-3-8B at r=16 (n/r = 64) one copy is 1.5% of the budget,
+three 4.5%.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.cache.policy import CachePolicy, get_policy
-
-DEFAULT_RESIDUAL_COPIES = {"forkkv": 8, "lrshared": 1}
-
 
 class KVPools(NamedTuple):
     base_k: jax.Array  # [L, Hkv, P, S, D]
@@ -48,7 +46,8 @@ class PoolLayout(NamedTuple):
     @classmethod
     def from_budget(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, lora_rank: int,
                     page_size: int, kv_cache_bytes: int, policy: str | CachePolicy = "forkkv",
-                    dtype: str = "bfloat16", residual_fraction: float | None = None) -> PoolLayout:
+                    dtype: str = "bfloat16", residual_fraction: float | None = None,
+                    residual_copies: int = 1) -> PoolLayout:
         policy = get_policy(policy)
         dtype = jnp.dtype(dtype).name
         probe = cls(num_layers, num_kv_heads, head_dim, lora_rank, page_size, dtype, 0, 0, policy)
@@ -57,7 +56,7 @@ class PoolLayout(NamedTuple):
             res_pages = 1
         else:
             if residual_fraction is None:
-                copies = DEFAULT_RESIDUAL_COPIES[policy.name]
+                copies = max(1, residual_copies)
                 residual_fraction = copies * rb / (bb + copies * rb)
             if not 0.0 < residual_fraction < 1.0:
                 raise ValueError(f"residual_fraction must be in (0, 1), got {residual_fraction}")
@@ -110,6 +109,21 @@ def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v
         res_k = res_k.at[layer, rpage, roff].set(xa_k.astype(res_k.dtype))  # [T, R]
         res_v = res_v.at[layer, rpage, roff].set(xa_v.astype(res_v.dtype))
     return KVPools(base_k, base_v, res_k, res_v)
+
+
+def write_fanout(pools: KVPools, layer, fan_slots, xa_k, xa_v) -> KVPools:
+    """Scatter every token's xA of other adapters into their residual slots (pure).
+
+    fan_slots: [T, N] int32 flat residual slot of token t for adapter slot j, 0 (the sink) where
+    it is not written. xa_k, xa_v: [T, N, R] every slot's x·A_k, x·A_v of the token.
+    """
+    S = pools.res_k.shape[2]
+    flat = fan_slots.reshape(-1)
+    page, off = flat // S, flat % S
+    r = xa_k.shape[-1]
+    res_k = pools.res_k.at[layer, page, off].set(xa_k.reshape(-1, r).astype(pools.res_k.dtype))
+    res_v = pools.res_v.at[layer, page, off].set(xa_v.reshape(-1, r).astype(pools.res_v.dtype))
+    return pools._replace(res_k=res_k, res_v=res_v)
 
 
 def copy_pages(pools: KVPools, base_src, base_dst, res_src, res_dst) -> KVPools:

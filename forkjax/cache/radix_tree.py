@@ -17,8 +17,13 @@ Namespaces (adapter keys, or SHARED; see policy.py) get separate roots, so looku
 them. Inserted keys must be whole pages; a match may end anywhere and the caller copies the
 partly matched last page before writing into it (see seq_cache.py).
 
-LRU eviction pops unlocked leaves from a heap keyed by last access; stale entries (the node was
-touched, locked, grew children or was evicted since) are skipped when popped.
+LRU eviction pops unlocked leaves from a heap keyed by (held, last access); stale entries (the
+node was touched, locked, held, grew children or was evicted since) are skipped when popped.
+
+Holds are soft locks: held pages are evicted only after every unheld one (`evict(...,
+held=True)`). The engine holds the pages of a session that ran recently, and a waiting request
+*pins* the prefix it will hit: a pin is a hold that admission also respects, counting only
+unpinned evictable pages (`evictable_size(pinned=False)`) as room for other requests.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ _EMPTY = np.zeros(0, np.int32)
 
 
 class TreeNode:
-    __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "last_access",
-                 "shares_first", "alive")
+    __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "hold_ref",
+                 "pin_ref", "last_access", "shares_first", "alive")
 
     def __init__(self, key, pages, start, parent, ns, shares_first=False):
         self.key = key  # [n] int32 token ids of this edge
@@ -47,6 +52,8 @@ class TreeNode:
         self.children: dict[int, TreeNode] = {}  # first token id -> child
         self.ns = ns
         self.lock_ref = 0
+        self.hold_ref = 0  # soft locks: evicted after unheld leaves
+        self.pin_ref = 0  # the holds that are pins
         self.last_access = 0
         self.shares_first = shares_first  # pages[0] is the parent's last page
         self.alive = True
@@ -82,7 +89,10 @@ class RadixTree:
         self.roots: dict[Hashable, TreeNode] = {}
         self.ns_pages: dict[Hashable, int] = defaultdict(int)  # owned pages per namespace
         self._evictable = 0
+        self._pinned = 0  # of the evictable pages, those of pinned nodes
         self._protected = 0
+        self.version = 0  # changes whenever a match could find something else (insert, evict)
+        self.evicted_pages = 0  # pages freed by eviction, ever
         self._num_nodes = 0
         self._clock = 0
         self._heap: list = []  # (last_access, tiebreak, node) of candidate leaves
@@ -135,6 +145,7 @@ class RadixTree:
             self._num_nodes += 1
             self._evictable += leaf.own_pages
             self.ns_pages[ns] += leaf.own_pages
+            self.version += 1
             self._push(leaf)
             node = leaf
         return prefix_len, node
@@ -179,6 +190,7 @@ class RadixTree:
         upper = TreeNode(child.key[:n], child.pages[: -(-cut // S) - child.start // S], child.start,
                          child.parent, child.ns, child.shares_first)
         upper.lock_ref = child.lock_ref
+        upper.hold_ref, upper.pin_ref = child.hold_ref, child.pin_ref
         upper.last_access = child.last_access
         upper.children = {int(child.key[n]): child}
         child.parent.children[int(child.key[0])] = upper
@@ -199,6 +211,7 @@ class RadixTree:
         while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= node.own_pages
+                self._pinned -= node.own_pages if node.pin_ref else 0
                 self._protected += node.own_pages
             node.lock_ref += 1
             node = node.parent
@@ -210,31 +223,72 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable += node.own_pages
+                self._pinned += node.own_pages if node.pin_ref else 0
                 self._protected -= node.own_pages
                 if not node.children:
                     self._push(node)
             node = node.parent
 
-    def evictable_size(self) -> int:
-        return self._evictable
+    def inc_hold_ref(self, node: TreeNode, pin: bool = False) -> None:
+        """Hold (or pin) node and its ancestors: evicted only after every unheld leaf."""
+        while node.parent is not None:
+            unlocked = node.alive and node.lock_ref == 0
+            if pin:
+                if node.pin_ref == 0 and unlocked:
+                    self._pinned += node.own_pages
+                node.pin_ref += 1
+            node.hold_ref += 1
+            if node.hold_ref == 1 and unlocked and not node.children:
+                self._push(node)  # its heap entry moves to the held tier
+            node = node.parent
+
+    def dec_hold_ref(self, node: TreeNode, pin: bool = False) -> None:
+        """Undo one `inc_hold_ref(node, pin)`; the node may have been evicted meanwhile (held
+        pages go when nothing else is left), its ancestors are still counted."""
+        while node.parent is not None:
+            if node.hold_ref <= 0 or (pin and node.pin_ref <= 0):
+                raise ValueError("dec_hold_ref on a node without that hold")
+            unlocked = node.alive and node.lock_ref == 0
+            if pin:
+                node.pin_ref -= 1
+                if node.pin_ref == 0 and unlocked:
+                    self._pinned -= node.own_pages
+            node.hold_ref -= 1
+            if node.hold_ref == 0 and unlocked and not node.children:
+                self._push(node)
+            node = node.parent
+
+    def evictable_size(self, pinned: bool = True) -> int:
+        """Pages of unlocked nodes; `pinned=False`: of those, the unpinned ones only."""
+        return self._evictable if pinned else self._evictable - self._pinned
 
     def protected_size(self) -> int:
         return self._protected
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least num_pages pages from least recently used unlocked leaves; returns freed."""
+    def evict(self, num_pages: int, held: bool = True) -> int:
+        """Free at least num_pages pages from least recently used unlocked leaves, unheld ones
+        first; `held=False` stops before the held ones. Returns pages freed."""
         freed = 0
         while freed < num_pages and self._heap:
-            last_access, _, node = heapq.heappop(self._heap)
-            if node.alive and node.lock_ref == 0 and not node.children and node.last_access == last_access:
-                freed += self._delete_leaf(node)
+            is_held, last_access, _, node = self._heap[0]
+            if not (node.alive and node.lock_ref == 0 and not node.children
+                    and node.last_access == last_access and is_held == (node.hold_ref > 0)):
+                heapq.heappop(self._heap)  # stale
+                continue
+            if is_held and not held:
+                break
+            heapq.heappop(self._heap)
+            freed += self._delete_leaf(node)
+        self.evicted_pages += freed
         return freed
 
     def _delete_leaf(self, node: TreeNode) -> int:
         self.allocator.dec_ref(node.pages)  # a shared first page survives in the parent
         own = node.own_pages
         self._evictable -= own
+        self._pinned -= own if node.pin_ref else 0
         self.ns_pages[node.ns] -= own
+        self.version += 1
         parent = node.parent
         del parent.children[int(node.key[0])]
         node.alive = False
@@ -249,12 +303,14 @@ class RadixTree:
             self._push(node)
 
     def _push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+        heapq.heappush(self._heap, self._entry(node))
         if len(self._heap) > 4 * self._num_nodes + 1024:
             # Stale entries pile up (every touch pushes one); rebuild from the live leaves.
-            self._heap = [(n.last_access, next(self._tiebreak), n) for n in self._nodes()
-                          if not n.children and n.lock_ref == 0]
+            self._heap = [self._entry(n) for n in self._nodes() if not n.children and n.lock_ref == 0]
             heapq.heapify(self._heap)
+
+    def _entry(self, node: TreeNode) -> tuple:
+        return (node.hold_ref > 0, node.last_access, next(self._tiebreak), node)
 
     def is_attached(self, node: TreeNode) -> bool:
         while node.parent is not None:
@@ -275,7 +331,7 @@ class RadixTree:
     def check(self) -> np.ndarray:
         """Assert the structural invariants; returns holders [num_pages]: nodes listing each page."""
         S = self.page_size
-        evictable = protected = count = 0
+        evictable = pinned = protected = count = 0
         ns_pages: dict = defaultdict(int)
         all_pages = [_EMPTY]
         for node in self._nodes():
@@ -289,13 +345,19 @@ class RadixTree:
             if node.shares_first:
                 assert node.start % S and node.pages[0] == parent.pages[-1], "bad shared page"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock not on path"
+            for ref in ("hold_ref", "pin_ref"):
+                assert getattr(node, ref) >= sum(getattr(c, ref) for c in node.children.values()), \
+                    f"{ref} not on path"
+            assert node.hold_ref >= node.pin_ref
             if node.lock_ref:
                 protected += node.own_pages
             else:
                 evictable += node.own_pages
+                pinned += node.own_pages if node.pin_ref else 0
             ns_pages[node.ns] += node.own_pages
             all_pages.append(node.pages)
         assert count == self._num_nodes
-        assert (evictable, protected) == (self._evictable, self._protected), "size counters drifted"
+        assert (evictable, pinned, protected) == (self._evictable, self._pinned, self._protected), \
+            "size counters drifted"
         assert {k: v for k, v in ns_pages.items() if v} == {k: v for k, v in self.ns_pages.items() if v}
         return np.bincount(np.concatenate(all_pages), minlength=self.allocator.num_pages)

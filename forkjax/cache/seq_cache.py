@@ -9,6 +9,10 @@ Per pool (`PoolSeq`) a request's page table has three parts:
 If the cached prefix ends inside a page, that page is shared and partly filled with tokens this
 request agrees with; the first `reserve` that needs to write past it copies it (copy-on-write)
 and returns the (src, dst) pair for the engine to copy on device before the step writes.
+
+Pages are reserved chunk by chunk, as the engine computes them; until a pool holds a private page,
+`extend_hit` takes over what the tree gained past its hit meanwhile (another request in flight
+inserted the pages this one waited for).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class PoolSeq:
         self.pages = hit_pages  # [num reserved pages] int32, the page table
         self.own_from = len(hit_pages)
         self.node = node
+        self.num_allocated = 0  # pages this request allocated (private when allocated)
         tree.inc_lock_ref(node)
 
     @property
@@ -70,7 +75,25 @@ class PoolSeq:
             pages = alloc.alloc(n)
             if pages is None:
                 raise OutOfPages(self.name, n, alloc.num_free)
+        self.num_allocated += n
         return pages
+
+    def extend_hit(self, tokens: np.ndarray) -> int:
+        """Take over the tree's pages past this request's hit, matching `tokens` further, if it
+        holds no private page yet (nothing of its own is written there). Returns tokens gained."""
+        if self.own_from != len(self.pages):
+            return 0
+        length, node, _ = self.tree._walk(self.ns, np.asarray(tokens, np.int32), self.node)
+        if length <= self.cached_len:
+            return 0
+        first = self.node.end // self.page_size  # our node spells tokens[:cached_len]
+        self.pages = np.concatenate([self.pages[:first], self.tree.path_pages(node, top=self.node)])
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(self.node)
+        gained = length - self.cached_len
+        self.node, self.own_from = node, len(self.pages)
+        self.hit_len = self.cached_len = length
+        return gained
 
     def slots(self, positions: np.ndarray) -> np.ndarray:
         """Flat slot page·S + offset of each position to write; 0 (the sink) where it is cached."""
@@ -123,17 +146,48 @@ class PoolSeq:
 
 
 class SeqCache:
-    """Handle returned by `DualRadixCache.begin`; see the `forkjax.cache` docstring for its use."""
+    """Handle returned by `DualRadixCache.begin`; see the `forkjax.cache` docstring for its use.
+
+    `fanout` {adapter slot: PoolSeq in that adapter's residual namespace}: residual fan-out, the
+    residuals x·A_j of other agents j this request writes from its own hidden states wherever
+    their tree lacks them, so their later forks are full hits. A fan-out pool is dropped when it
+    could not be contiguous with what this request computes (its hit ends before the positions
+    this request computes) or when the residual pool runs out.
+    """
 
     def __init__(self, owner, adapter_key: Hashable, prompt_len: int, base: PoolSeq, res: PoolSeq | None,
-                 *, count_hits: bool = True):
+                 *, count_hits: bool = True, fanout: dict[int, PoolSeq] | None = None):
         self._owner = owner
-        self._count_hits = count_hits  # report this request's hits once, at its first reserve
+        self._count_hits = count_hits  # report this request's hits, at its first reserve
+        self._counted = False
         self.adapter_key = adapter_key
         self.prompt_len = prompt_len
         self.base = base
         self.res = res  # None: this request keeps no residual (policy or bare base model)
+        self.fanout = fanout or {}
         self.released = False
+        self._prune_fanout()
+
+    @property
+    def pools(self) -> list[PoolSeq]:
+        return [self.base] + ([self.res] if self.res else []) + list(self.fanout.values())
+
+    def _prune_fanout(self):
+        for slot, pool in list(self.fanout.items()):
+            if pool.cached_len < self.cached_len:
+                pool.release()
+                del self.fanout[slot]
+
+    def extend_hits(self, tokens) -> bool:
+        """`PoolSeq.extend_hit` in every pool; True if the request now computes less."""
+        before = self.cached_len
+        gained = [pool.extend_hit(tokens) for pool in (self.base, self.res) if pool is not None]
+        for pool in self.fanout.values():
+            pool.extend_hit(tokens)
+        if self._counted and self._count_hits:
+            self._owner._count_extra(gained[0], gained[1] if self.res else 0)
+        self._prune_fanout()
+        return self.cached_len > before
 
     @property
     def base_len(self) -> int:
@@ -158,10 +212,30 @@ class SeqCache:
         """
         base_copies = self.base.reserve(num_tokens)
         res_copies = self.res.reserve(num_tokens) if self.res else []
-        if self._count_hits:
-            self._count_hits = False
+        for slot, pool in list(self.fanout.items()):
+            try:
+                res_copies += pool.reserve(num_tokens)
+            except OutOfPages:  # fan-out is opportunistic: this agent stops writing for `slot`
+                pool.release()
+                del self.fanout[slot]
+        if self._count_hits and not self._counted:
+            self._counted = True
             self._owner._count_hits(self)
         return base_copies, res_copies
+
+    def pages_needed(self, num_tokens: int) -> tuple[int, int]:
+        """(base, residual) pages `reserve(num_tokens)` would still allocate, copy-on-write
+        pages included."""
+        def need(pool: PoolSeq) -> int:
+            cow = (num_tokens > pool.cached_len and pool.cached_len % pool.page_size != 0
+                   and pool.own_from > pool.cached_len // pool.page_size)
+            return max(0, -(-num_tokens // pool.page_size) - len(pool.pages)) + cow
+        return need(self.base), sum(need(p) for p in self.pools[1:])
+
+    @property
+    def pages_allocated(self) -> tuple[int, int]:
+        """(base, residual) pages this request has allocated so far."""
+        return self.base.num_allocated, sum(p.num_allocated for p in self.pools[1:])
 
     def slot_mapping(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(base_slots [end-start], res_slots [end-start]) int32 for positions [start, end).
@@ -177,6 +251,14 @@ class SeqCache:
     def slot_pair(self, position: int) -> tuple[int, int]:
         """`slot_mapping` for one position: (base slot, residual slot) as ints."""
         return self.base.slot(position), self.res.slot(position) if self.res else 0
+
+    def fanout_slots(self, start: int, end: int, out: np.ndarray) -> None:
+        """Fill out [end-start, N] int32 (zeros on entry): column j the residual slots of
+        adapter slot j's fan-out pool for positions [start, end), 0 where it has them."""
+        if self.fanout:
+            positions = np.arange(start, end, dtype=np.int32)
+            for slot, pool in self.fanout.items():
+                out[:, slot] = pool.slots(positions)
 
     @property
     def base_page_table(self) -> np.ndarray:
@@ -194,16 +276,14 @@ class SeqCache:
         prompt + generated tokens whose K/V is in the cache (not the last sampled token).
         """
         tokens = np.asarray(tokens, np.int32)
-        self.base.commit(tokens)
-        if self.res:
-            self.res.commit(tokens)
+        for pool in self.pools:
+            pool.commit(tokens)
 
     def release(self) -> None:
         """Unlock and free private pages (the partial last page, uncommitted work)."""
         if self.released:
             raise ValueError("SeqCache released twice")
         self.released = True
-        self.base.release()
-        if self.res:
-            self.res.release()
+        for pool in self.pools:
+            pool.release()
         self._owner._live.discard(self)

@@ -3,11 +3,15 @@
 Decode: batch sizes 1, 2, 4, ... up to max_batch_size (the hot path: little padding).
 Extend: chunk tokens C in 16, 64, 256, ... and requests B in 1, 4, 16, ... with B·C within
 max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs.
+Page tables: width W (pages) in 1024, 4096, ... up to the pages of max_model_len, by the batch's
+longest request, so a step of short requests never carries (or, in the kernels that size their
+work by W, computes over) the width of a 128k context; models up to 16k tokens have one width.
 """
 
 from __future__ import annotations
 
 MIN_CHUNK = 16
+MIN_PAGE_WIDTH = 1024
 
 
 def _ladder(cap: int, start: int, factor: int) -> list[int]:
@@ -19,13 +23,18 @@ def _ladder(cap: int, start: int, factor: int) -> list[int]:
 
 
 class Buckets:
-    def __init__(self, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, max_batch_size: int, max_prefill_tokens: int, max_pages: int = MIN_PAGE_WIDTH):
         if max_prefill_tokens < MIN_CHUNK:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= {MIN_CHUNK}")
         self.decode_sizes = _ladder(max_batch_size, 1, 2)
         self.chunk_sizes = _ladder(max_prefill_tokens, MIN_CHUNK, 4)
         self.extend_sizes = {c: _ladder(max(1, min(max_batch_size, max_prefill_tokens // c)), 1, 4)
                              for c in self.chunk_sizes}
+        self.page_widths = _ladder(max_pages, MIN_PAGE_WIDTH, 4) if max_pages > MIN_PAGE_WIDTH else [max_pages]
+
+    def width(self, pages: int) -> int:
+        """Page-table width for a batch whose longest page table has `pages` entries."""
+        return next(w for w in self.page_widths if w >= pages)
 
     def decode(self, n: int) -> int:
         return next(b for b in self.decode_sizes if b >= n)
@@ -38,6 +47,8 @@ class Buckets:
         b = next((b for b in self.extend_sizes[c] if b >= n), None)
         return None if b is None else (b, c)
 
-    def all(self) -> list[tuple[str, int, int]]:
-        return ([("decode", b, 1) for b in self.decode_sizes]
-                + [("extend", b, c) for c in self.chunk_sizes for b in self.extend_sizes[c]])
+    def all(self) -> list[tuple[str, int, int, int]]:
+        """Every (kind, requests, chunk, page-table width) program."""
+        shapes = ([("decode", b, 1) for b in self.decode_sizes]
+                  + [("extend", b, c) for c in self.chunk_sizes for b in self.extend_sizes[c]])
+        return [(k, b, c, w) for w in self.page_widths for k, b, c in shapes]

@@ -36,7 +36,7 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
                  use_pallas: bool | None = None, warmup: bool = True, progress: bool = True,
-                 overlap: bool = True):
+                 overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0):
         self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -47,15 +47,18 @@ class Engine:
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
             kv_cache_bytes=cfg.kv_cache_bytes or _default_kv_bytes(on_gpu),
-            policy=cfg.cache_policy, dtype=cfg.dtype)
+            policy=cfg.cache_policy, dtype=cfg.dtype, residual_fraction=cfg.residual_fraction,
+            residual_copies=residual_copies)
         self.cache = DualRadixCache.from_layout(layout)
         max_batch = cfg.max_batch_size or (64 if on_gpu else 16)
-        buckets = Buckets(max_batch, max_prefill_tokens)
+        buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size))
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
-                                   max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len)
+                                   max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
+                                   schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s)
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   max_model_len=self.max_model_len,
-                                  use_pallas=on_gpu if use_pallas is None else use_pallas)
+                                  use_pallas=on_gpu if use_pallas is None else use_pallas,
+                                  fanout=cfg.residual_fanout)
         self._decode_steps = self._decode_seqs = 0
         self.overlap = overlap
         self._inflight: Launched | None = None
@@ -63,29 +66,41 @@ class Engine:
         # dispatch (the jit call: argument transfer and kernel launches), waiting for the device.
         self.step_times = dict.fromkeys(("schedule_s", "inputs_s", "dispatch_s", "device_s",
                                          "postprocess_s", "steps"), 0)
+        self.warmup_s = 0.0  # seconds spent compiling every shape at start
         if warmup:
+            t = time.perf_counter()
             self.runner.warmup(progress)
+            self.warmup_s = time.perf_counter() - t
 
     @classmethod
     def from_pretrained(cls, model, adapters=None, cache_policy="forkkv", dtype="bfloat16",
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
                         max_lora_rank=None, *, max_loras: int = 8, seed: int = 0,
-                        lora_target_modules=None, **engine_kwargs):
+                        lora_target_modules=None, residual_fanout: bool = False,
+                        residual_fraction: float | None = None, schedule_policy: str = "lpm",
+                        **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
         `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
         adapters target, all seven without any; adapters loaded later must fit in them).
+        `residual_fanout` (`forkkv` only): a request also writes the residuals of every other
+        loaded adapter from its own hidden states, unless it names its group
+        (`fanout_adapters`). `residual_fraction`: share of `kv_cache_bytes` for the residual
+        pool (default: one residual copy per base token per adapter loaded here, at least one).
+        `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo".
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress,
-        overlap) go to the constructor."""
+        overlap, max_wait_s) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras,
                            lora_target_modules=None if lora_target_modules is None
-                           else tuple(lora_target_modules))
+                           else tuple(lora_target_modules), residual_fanout=residual_fanout,
+                           residual_fraction=residual_fraction, schedule_policy=schedule_policy)
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
         if cache_policy == "lrshared":
             _check_lrshared(loaded)
-        engine = cls(model_cfg, net, cfg, tokenizer, **engine_kwargs)
+        copies = max(1, len(loaded)) if cache_policy == "forkkv" else 1
+        engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter)
         return engine
@@ -123,18 +138,49 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
-                    score: bool = False) -> Sequence:
-        """Validate and queue one request (ValueError / KeyError and nothing queued if bad)."""
+                    score: bool = False, *, session_id: str | None = None,
+                    fanout_adapters=None) -> Sequence:
+        """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
+
+        `session_id`: requests of one workflow; its pages are evicted after others' for a
+        while after each of its requests ends, so the next turn finds them. `fanout_adapters`
+        (`forkkv`): the agents whose residuals this request writes too; None follows the
+        engine's `residual_fanout` (every loaded adapter, or none), [] none."""
         ids = self._prompt_ids(prompt)
         slot = self.slots.slot_of(adapter)
-        key = None if adapter is None else self.slots.by_name[adapter][1].content_hash
+        key = self._key(adapter)
+        if session_id is not None and not isinstance(session_id, str):
+            raise ValueError(f"session_id={session_id!r}: expected a string")
+        fanout = self._fanout(key, fanout_adapters)
         params = params or SamplingParams()
         if not params.ignore_eos:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
-        seq = Sequence(ids, adapter, slot, key, params, score=score)
+        seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
+                       fanout=fanout)
         self.scheduler.add(seq)
         return seq
+
+    def _key(self, adapter: str | None):
+        return None if adapter is None else self.slots.by_name[adapter][1].content_hash
+
+    def _fanout(self, own_key, names) -> dict:
+        """{adapter slot: adapter key} of the residuals a request fans out to."""
+        if names is None:
+            names = list(self.slots.by_name) if self.config.residual_fanout else []
+        elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
+        names = list(names)
+        if names and self.config.cache_policy != "forkkv":
+            raise ValueError(f"residual fan-out needs cache_policy='forkkv', not "
+                             f"{self.config.cache_policy!r}")
+        out, keys = {}, {own_key}
+        for name in names:
+            slot, key = self.slots.slot_of(name), self._key(name)  # KeyError for an unknown one
+            if key not in keys:  # the same weights under two names share one residual
+                keys.add(key)
+                out[slot] = key
+        return out
 
     def abort(self, seq: Sequence):
         if seq.status is not Status.FINISHED:
@@ -205,13 +251,14 @@ class Engine:
                 seq.prompt_logits.append(logits[i])
                 if end == len(seq):
                     self.scheduler.finish(seq, "length")
+        if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
+            for seq, (_, end) in zip(batch.seqs, batch.chunks):
+                self.scheduler.chunk_done(seq, end)
         for i in batch.samples:
             seq = batch.seqs[i]
             if seq.status is not Status.RUNNING:
                 continue  # aborted, or stopped one step earlier: this token is dropped
             seq.pending -= 1
-            if batch.kind == "extend":  # prompt done: share its whole pages with newcomers now
-                seq.cache.commit(np.asarray(seq.tokens[:batch.chunks[i][1]], np.int32))
             token = int(tokens[i])
             seq.output.append(token)
             p = seq.params
@@ -230,7 +277,8 @@ class Engine:
                 raise s.error
 
     def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
-                 seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False) -> list[list[int]]:
+                 seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False,
+                 session_id: str | None = None, fanout_adapters=None) -> list[list[int]]:
         if adapters is None or isinstance(adapters, str):
             adapters = [adapters] * len(prompts)
         if len(adapters) != len(prompts):
@@ -242,7 +290,8 @@ class Engine:
         seqs = []
         try:
             for prompt, adapter, p in zip(prompts, adapters, params):
-                seq = self.add_request(prompt, adapter, p)
+                seq = self.add_request(prompt, adapter, p, session_id=session_id,
+                                       fanout_adapters=fanout_adapters)
                 if p.max_new_tokens == 0:
                     self.scheduler.finish(seq, "length")
                 seqs.append(seq)
@@ -284,14 +333,36 @@ class Engine:
         return ids
 
     def stats(self) -> dict:
+        """DESIGN.md §3's keys and more; counters run from start-up or the last reset_stats()."""
         s = self.cache.stats()
         names = {a.content_hash: n for n, (_, a) in self.slots.by_name.items()}
         s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}
         s["decode_batch_size_mean"] = self._decode_seqs / self._decode_steps if self._decode_steps else 0.0
+        s["decode_steps"] = self._decode_steps
+        s["prefill_tokens_computed"] = self.scheduler.prefill_tokens_computed
+        prompt = s["prompt_tokens"]
+        s["base_hit_rate"] = s["base_hit_tokens"] / prompt if prompt else 0.0
+        s["residual_hit_rate"] = s["residual_hit_tokens"] / prompt if prompt else 0.0
         s["running"] = len(self.scheduler.running)
         s["waiting"] = len(self.scheduler.waiting)
         s["preemptions"] = self.scheduler.num_preemptions
         return s
+
+    def reset_stats(self) -> dict:
+        """Set the counters of `stats()` back to zero (the pools are untouched); returns the
+        stats of the interval that ends, so a caller reads hit rates and decode batch sizes
+        per interval."""
+        s = self.stats()
+        self.cache.reset_stats()
+        self._decode_steps = self._decode_seqs = 0
+        self.scheduler.prefill_tokens_computed = self.scheduler.num_preemptions = 0
+        return s
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked page of both trees (running requests keep theirs); returns
+        the pages freed."""
+        self.scheduler.release_sessions()
+        return self.cache.flush()
 
 
 def _default_kv_bytes(on_gpu: bool) -> int:

@@ -1,9 +1,12 @@
 """ModelRunner: the one jit boundary. Parameters are split once; the KV pools are donated state.
 
 Shapes are bucketed (buckets.py) so a fixed set of programs serves every batch and is compiled
-at start; page tables always span `max_model_len` (the kernels stop at each request's length, so
-the width costs one int32 row per request, not compute).
+at start; page tables are as wide as the bucket of the batch's longest request.
 Anything compiled after warm-up logs a warning: it means a shape escaped the buckets.
+
+Residual fan-out adds one input, the residual slots of every adapter slot for every token
+(`PagedMeta.fan_slots`), and its scatter: an engine with `residual_fanout` runs (and compiles)
+only programs with it; otherwise a batch runs them only when one of its requests fans out.
 """
 
 from __future__ import annotations
@@ -121,12 +124,13 @@ def _sample_padded(rows, sampling: SamplingArrays, size: int):
 
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
-                 max_model_len: int, use_pallas: bool):
+                 max_model_len: int, use_pallas: bool, fanout: bool = False):
         self.layout = layout
         self.buckets = buckets
         self.num_slots = num_slots
         self.max_pages = -(-max_model_len // layout.page_size)
         self.residual = layout.policy.uses_residual
+        self.fanout = fanout
         self.use_pallas = use_pallas
         self.graphdef = self.state_def = None  # HashOnce, kept across set_model
         self.set_model(model)
@@ -150,9 +154,11 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True):
         """Compile every bucket now, so serving never stalls on the compiler."""
-        for kind, b, c in tqdm(self.buckets.all(), desc="compiling", disable=not progress, unit="shape"):
-            inputs, sampling = self._dummy(b, c)
-            (_, rows, _), self.pools = self._call(kind, False, inputs, (kind, b, c, False))
+        for kind, b, c, w in tqdm(self.buckets.all(), desc="compiling", disable=not progress,
+                                  unit="shape"):
+            inputs, sampling = self._dummy(b, c, w)
+            (_, rows, _), self.pools = self._call(kind, False, inputs,
+                                                  (kind, b, c, w, False, self.fanout))
             jax.block_until_ready(_sample_padded(rows, sampling, len(self.prev_tokens)))
         for size in self.buckets.decode_sizes:  # copy-on-write: a small program each, quick
             self._copy([], [], size)
@@ -173,10 +179,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
-        inputs, sampling = self._inputs(batch, b, c)
+        w = self.buckets.width(max(max(len(s.cache.base_page_table), len(s.cache.res_page_table))
+                                   for s in batch.seqs))
+        fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
+        inputs, sampling = self._inputs(batch, b, c, w, fanout)
         t1 = time.perf_counter()
         (tokens, rows, logits), self.pools = self._call(
-            batch.kind, all_logits, inputs, (batch.kind, b, c, all_logits))
+            batch.kind, all_logits, inputs, (batch.kind, b, c, w, all_logits, fanout))
         if np.any(sampling.temperature > 0):
             tokens = _sample_padded(rows, sampling, len(tokens))
         self.prev_tokens = tokens
@@ -219,12 +228,13 @@ class ModelRunner:
         self.pools = _copy_pages(self.pools, *copy_index_arrays(base_pairs, size),
                                  *copy_index_arrays(res_pairs, size))
 
-    def _inputs(self, batch: ScheduledBatch, b: int, c: int):
+    def _inputs(self, batch: ScheduledBatch, b: int, c: int, w: int, fanout: bool):
         t = b * c
         tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
         prev_rows = np.full(t, -1, np.int32)
         base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
-        base_pt, res_pt = np.zeros((b, self.max_pages), np.int32), np.zeros((b, self.max_pages), np.int32)
+        fan_slots = np.zeros((t, self.num_slots), np.int32) if fanout else None
+        base_pt, res_pt = np.zeros((b, w), np.int32), np.zeros((b, w), np.int32)
         prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         group_sizes = np.zeros(self.num_slots, np.int32)
         rows = np.zeros(b, np.int32)
@@ -240,19 +250,21 @@ class ModelRunner:
                 tokens[r] = seq.tokens[s:e]
                 positions[r] = np.arange(s, e)
                 base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
+            if fanout:
+                seq.cache.fanout_slots(s, e, fan_slots[i * c:i * c + e - s])
             bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
             base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
             prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot
             group_sizes[seq.slot] += c  # a request's padding rows ride in its own group
             rows[i] = i * c + e - s - 1
-        meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter)
+        meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots)
         return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
 
-    def _dummy(self, b: int, c: int):
+    def _dummy(self, b: int, c: int, w: int):
         t = b * c
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        meta = PagedMeta(z(t), z(t), z(b, self.max_pages), z(b, self.max_pages), z(b),
-                         np.full(b, c, np.int32), z(b))
+        meta = PagedMeta(z(t), z(t), z(b, w), z(b, w), z(b), np.full(b, c, np.int32), z(b),
+                         z(t, self.num_slots) if self.fanout else None)
         return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(self.num_slots), meta, z(b)),
                 _sampling_arrays([], b))
 

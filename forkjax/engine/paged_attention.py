@@ -14,7 +14,7 @@ import dataclasses
 import jax
 
 from forkjax import pallas_kernels as pk
-from forkjax.cache import write_kv
+from forkjax.cache import write_fanout, write_kv
 from forkjax.models.attention import QKV
 from forkjax.pallas_kernels import kv_write, mgpu_decode, mgpu_operands
 
@@ -29,6 +29,9 @@ class PagedMeta:
     prefix_lengths: jax.Array  # [B] int32 tokens before this step's chunk
     chunk_lengths: jax.Array  # [B] int32 tokens in the chunk (1 in decode)
     adapter_ids: jax.Array  # [B] int32 LoRA slot of each request
+    # [T, N] int32 residual slot of each token for every adapter slot it fans out to (0: none);
+    # None in programs without residual fan-out
+    fan_slots: jax.Array | None = None
 
 
 def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
@@ -40,6 +43,9 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
     write = _kv_writer(use_pallas, pools)
+    if m.fan_slots is not None:  # other agents' residuals x·A_j, from this token's x
+        pools = write_fanout(pools, layer, m.fan_slots, qkv.all_slots_xa("k_proj"),
+                             qkv.all_slots_xa("v_proj"))
     if kind == "decode" and residual and use_pallas and _fused_decode(qkv, pools):
         # one Triton kernel from the q|k|v GEMM's output to the Mosaic kernel's operands and
         # the K/V to write (was ~8 XLA kernels and `query_operands`)

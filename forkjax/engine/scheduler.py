@@ -1,28 +1,36 @@
-"""Continuous batching over the dual radix cache: admission by free pages, chunked prefill,
-decode, preemption by recompute.
+"""Continuous batching over the dual radix cache: cache-aware admission, chunked prefill with
+in-flight prefix sharing, decode, preemption by recompute.
 
 Each `schedule()` returns one batch, either an *extend* batch (prefill chunks, at most
 `max_prefill_tokens` tokens) or a *decode* batch (one token per running request). When both kinds
 of work wait they alternate, so a long prompt being prefilled chunk by chunk never stalls the
 running requests for more than one step.
 
-Pages: a request reserves pages for all its tokens at admission (`SeqCache.reserve`, which
-evicts unlocked LRU leaves of the short pool first). A waiting request that does not fit waits;
-a running request that cannot get the page for its next token preempts the most recently admitted
-request (its pages go back, it is recomputed later, its tokens so far kept). A request that could
-never fit fails at `add` with a clear error and nothing else changes.
+Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
+(`SeqCache.reserve`, evicting unpinned LRU leaves first), and a prefill chunk's whole pages enter
+the trees when its step is done (`Engine._postprocess`), so requests admitted together share what
+the first of them computes (inflight.py). A running request that cannot get a page preempts the
+most recently admitted one (its pages go back, it is recomputed later, its tokens so far kept).
+A request that could never fit fails at `add` with a clear error and nothing else changes.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
 from forkjax.cache import DualRadixCache, OutOfPages
+from forkjax.engine.admission import Admission
 from forkjax.engine.buckets import Buckets
+from forkjax.engine.inflight import InflightPages, page_hashes
 from forkjax.engine.sequence import Sequence, Status
+
+# Seconds a session's last request keeps its pages held (evicted after others) when the session
+# sends nothing new: long enough for a tool call.
+SESSION_TTL_S = 30.0
 
 
 @dataclasses.dataclass
@@ -36,21 +44,28 @@ class ScheduledBatch:
 
 
 class PreemptionNeeded(RuntimeError):
-    """schedule(allow_preempt=False) found no page for a running request's next token."""
+    """schedule(allow_preempt=False) found no page for a running request: the requests of the
+    step in flight must be known first."""
 
 
 class Scheduler:
     def __init__(self, cache: DualRadixCache, buckets: Buckets, *, max_batch_size: int,
-                 max_prefill_tokens: int, max_model_len: int):
+                 max_prefill_tokens: int, max_model_len: int, schedule_policy: str = "lpm",
+                 max_wait_s: float = 60.0, session_ttl_s: float = SESSION_TTL_S):
         self.cache = cache
         self.buckets = buckets
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
+        self.admission = Admission(cache, schedule_policy, max_wait_s)
+        self.inflight = InflightPages()
+        self.session_ttl_s = session_ttl_s
+        self.sessions: dict[str, tuple] = {}  # session id -> (PrefixHold, expiry)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"
         self.num_preemptions = 0
+        self.prefill_tokens_computed = 0
 
     def add(self, seq: Sequence):
         """Queue a request, or raise ValueError at once if it can never be served."""
@@ -59,16 +74,19 @@ class Scheduler:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens + max_new_tokens "
                              f"{seq.params.max_new_tokens} exceeds the context of {self.max_model_len}")
         pages = -(-total // self.cache.page_size)
-        # +1: a fork that lands inside a shared page copies that page.
         capacity = {"base": self.cache.base_tree.allocator.num_pages - 1}
-        if self.cache.res_tree is not None and seq.adapter_key is not None:
-            capacity["residual"] = self.cache.res_tree.allocator.num_pages - 1
+        copies = (seq.adapter_key is not None) + len(seq.fanout)
+        if self.cache.res_tree is not None and copies:
+            capacity["residual"] = (self.cache.res_tree.allocator.num_pages - 1) // copies
         for pool, cap in capacity.items():
             if pages + 1 > cap:  # +1: the copy-on-write page of a fork inside a shared page
                 raise ValueError(f"request needs {pages} pages of {self.cache.page_size} tokens plus one "
                                  f"spare page, but the whole {pool} pool holds {cap}: raise "
                                  f"kv_cache_bytes")
-        self.waiting.append(seq)
+        if seq.session_id is not None and seq.session_id in self.sessions:
+            self.sessions.pop(seq.session_id)[0].release()  # the new request pins what it reuses
+        seq.key_ns = self._namespaces(seq)
+        self._wait(seq)
 
     @property
     def has_work(self) -> bool:
@@ -77,14 +95,16 @@ class Scheduler:
     def schedule(self, allow_preempt: bool = True) -> ScheduledBatch | None:
         """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
+        self._expire_sessions()
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill and not self._last_in_flight(s)]
+        batch = None
         if prefilling and (not decoding or self._last_kind == "decode"):
-            batch = self._extend_batch(prefilling)
-        elif decoding:
+            batch = self._extend_batch(prefilling, allow_preempt)
+        if batch is None and decoding:
             batch = self._decode_batch(decoding, allow_preempt)
-        else:
+        if batch is None:
             return None
         self._last_kind = batch.kind
         batch.seqs, batch.chunks = _by_slot(batch.seqs, batch.chunks)
@@ -96,54 +116,182 @@ class Scheduler:
         return seq.pending > 0 and (len(seq.output) + seq.pending >= seq.params.max_new_tokens
                                     or len(seq) >= self.max_model_len)
 
-    def _admit(self):
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
-            h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted)
-            try:
-                base_cow, res_cow = h.reserve(len(seq))
-            except OutOfPages:
-                h.release()
-                if not self.running:  # nothing will ever free pages for it
-                    self.waiting.popleft()
-                    seq.finish("error", ValueError("request does not fit in the KV cache"))
-                    continue
-                return
-            self.waiting.popleft()
-            seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
-            seq.pending_copies = (base_cow, res_cow)
-            seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
-            self.running.append(seq)
+    # ---- admission ------------------------------------------------------------------------
 
-    def _extend_batch(self, seqs) -> ScheduledBatch:
+    def _wait(self, seq: Sequence, front: bool = False):
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+        self.admission.on_wait(seq)
+
+    def _admit(self):
+        if not self.waiting or len(self.running) >= self.max_batch_size:
+            return
+        room = None
+        for seq in self.admission.order(self.waiting, self._inflight_pages):
+            if len(self.running) >= self.max_batch_size:
+                return
+            need = self.admission.need(seq, self._inflight_pages)
+            if self.running:
+                if room is None:
+                    room = self._room()
+                fits = need[0] <= room[0] and need[1] <= room[1]
+            else:  # nothing else will free pages: pins give way
+                fits = True
+            if fits:
+                self._start(seq)
+                if room is not None:
+                    room = (room[0] - need[0], room[1] - need[1])
+            elif self.admission.is_urgent(seq):
+                return  # it goes first: nobody overtakes it while it waits for room
+
+    def _room(self) -> tuple[int, int]:
+        """Pages admission may still give out: the cache's room less what running requests
+        will still allocate."""
+        base, res = self.cache.room()
+        for seq in self.running:
+            b, r = self._outstanding(seq)
+            base, res = base - b, res - r
+        return base, res
+
+    def _outstanding(self, seq: Sequence) -> tuple[int, int]:
+        """Pages a running request will still allocate (beyond those in flight for it)."""
+        target = self.admission.target_len(seq)
+        b, r = seq.cache.pages_needed(target)
+        if seq.in_prefill:  # a follower gets pages from its leader
+            S = self.cache.page_size
+            first = seq.num_computed // S
+            b -= self._inflight_pages(seq, 0, first)
+            r -= sum(self._inflight_pages(seq, i, first) for i in range(1, len(seq.key_ns)))
+        return max(b, 0), max(r, 0)
+
+    def _start(self, seq: Sequence):
+        self.waiting.remove(seq)
+        self.admission.on_leave(seq)
+        h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted,
+                             fanout=seq.fanout)
+        seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
+        seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
+        seq.pending_copies = ([], [])
+        seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size, seq.page_hashes)
+        self._register(seq, seq.num_computed, len(seq.prompt))
+        self.running.append(seq)
+
+    def _namespaces(self, seq: Sequence) -> list[tuple[str, object]]:
+        """(pool, namespace) of each of the request's pools, in `match_all`'s order."""
+        policy = self.cache.policy
+        out = [("base", policy.base_ns(seq.adapter_key))]
+        if policy.res_ns(seq.adapter_key) is not None:
+            out.append(("res", policy.res_ns(seq.adapter_key)))
+        out += [("res", policy.res_ns(key)) for key in seq.fanout.values()]
+        return out
+
+    # ---- in-flight sharing ----------------------------------------------------------------
+
+    def _register(self, seq: Sequence, start: int, end: int):
+        """Claim the whole prompt pages in positions [start, end) that this request will
+        compute and nobody else claimed."""
+        S = self.cache.page_size
+        last = min(len(seq.page_hashes), len(seq.prompt) // S, end // S)
+        self.inflight.register(seq.id, [(j, (pool, ns, seq.page_hashes[j]))
+                                        for j in range(start // S, last) for pool, ns in seq.key_ns])
+
+    def _inflight_pages(self, seq: Sequence, i: int, first: int) -> int:
+        """Consecutive pages from page `first` on of the request's pool i (`key_ns` order) that
+        another running request will insert."""
+        if not self.inflight:
+            return 0
+        if not seq.page_hashes:
+            seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size)
+        hashes = seq.page_hashes
+        pool, ns = seq.key_ns[i]
+        count = 0
+        for j in range(first, min(len(hashes), len(seq.prompt) // self.cache.page_size)):
+            owner = self.inflight.owner.get((pool, ns, hashes[j]))
+            if owner is None or owner == seq.id:
+                break
+            count += 1
+        return count
+
+    def _catch_up(self, seq: Sequence):
+        """Take over pages others inserted since this request last looked."""
+        if seq.seen_versions == self.cache.versions:
+            return
+        seq.seen_versions = self.cache.versions
+        if seq.cache.extend_hits(seq.tokens):
+            seq.num_computed = max(seq.num_computed, min(seq.cache.cached_len, len(seq) - 1))
+        self._forget_dropped_fanout(seq)
+
+    def _forget_dropped_fanout(self, seq: Sequence):
+        """Fan-out pools the cache dropped: their pages will not come from this request."""
+        dropped = [slot for slot in seq.fanout if slot not in seq.cache.fanout]
+        for slot in dropped:
+            ns = self.cache.policy.res_ns(seq.fanout.pop(slot))
+            self.inflight.forget(seq.id, ("res", ns))
+        if dropped:
+            seq.key_ns = self._namespaces(seq)
+
+    def _wait_point(self, seq: Sequence, start: int, end: int) -> int:
+        """First position in [start, end) of a page another request will insert, else end."""
+        S = self.cache.page_size
+        hashes = seq.page_hashes
+        for j in range(start // S, min(-(-end // S), len(hashes), len(seq.prompt) // S)):
+            keys = [(pool, ns, hashes[j]) for pool, ns in seq.key_ns]
+            if self.inflight.waits_for(seq.id, keys) is not None:
+                return max(j * S, start)
+        return end
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def _extend_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
         chosen, chunks, budget = [], [], self.max_prefill_tokens
         for seq in seqs:
             if budget <= 0:
                 break
-            end = min(len(seq), seq.num_computed + budget)
-            longest = max([end - seq.num_computed] + [e - s for s, e in chunks])
+            self._catch_up(seq)
+            if not seq.in_prefill:
+                continue  # now a full hit: its last token is computed by a decode step
+            start = seq.num_computed
+            end = self._wait_point(seq, start, min(len(seq), start + budget))
+            if end <= start:
+                continue  # waits for another request's chunk
+            longest = max([end - start] + [e - s for s, e in chunks])
             if self.buckets.extend(len(chosen) + 1, longest) is None:
                 break  # padding it in would exceed the compiled shapes: next step
+            if not self._reserve(seq, end, allow_preempt):
+                continue
+            self._register(seq, start, end)  # a leader that left: this request leads now
             chosen.append(seq)
-            chunks.append((seq.num_computed, end))
-            budget -= end - seq.num_computed
-        return self._with_copies("extend", chosen, chunks)
+            chunks.append((start, end))
+            budget -= end - start
+        kept = [(s, c) for s, c in zip(chosen, chunks) if s.status is Status.RUNNING]
+        if not kept:
+            return None
+        self.prefill_tokens_computed += sum(e - s for _, (s, e) in kept)
+        return self._with_copies("extend", *map(list, zip(*kept)))
 
-    def _decode_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch:
-        chosen = []
-        for seq in seqs:
-            while seq.status is Status.RUNNING:
-                try:
-                    base_cow, res_cow = seq.cache.reserve(len(seq))
-                    seq.pending_copies = _merge(seq.pending_copies, (base_cow, res_cow))
-                    chosen.append(seq)
-                    break
-                except OutOfPages:
-                    if not allow_preempt:
-                        raise PreemptionNeeded from None
-                    self._preempt_one(protect=seq)
+    def _decode_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
+        chosen = [seq for seq in seqs if self._reserve(seq, len(seq), allow_preempt)]
         chosen = [s for s in chosen if s.status is Status.RUNNING]
+        if not chosen:
+            return None
         return self._with_copies("decode", chosen, [(len(s) - 1, len(s)) for s in chosen])
+
+    def _reserve(self, seq: Sequence, num_tokens: int, allow_preempt: bool) -> bool:
+        """Pages for the request's positions [0, num_tokens), preempting others (the request
+        itself as a last resort) when the pools run out. False if it was preempted."""
+        while seq.status is Status.RUNNING:
+            try:
+                copies = seq.cache.reserve(num_tokens)
+                seq.pending_copies = _merge(seq.pending_copies, copies)
+                self._forget_dropped_fanout(seq)
+                return True
+            except OutOfPages:
+                if not allow_preempt:
+                    raise PreemptionNeeded from None
+                self._preempt_one(protect=seq)
+        return False
 
     def _with_copies(self, kind, seqs, chunks) -> ScheduledBatch:
         base, res = [], []
@@ -158,24 +306,63 @@ class Scheduler:
         """Free the most recently admitted running request (`protect` itself as a last resort)."""
         victim = next((s for s in reversed(self.running) if s is not protect), protect)
         self.running.remove(victim)
-        victim.cache.release()
-        victim.cache, victim.status, victim.num_computed = None, Status.WAITING, 0
-        victim.pending_copies = ([], [])
+        self._release(victim)
+        victim.status, victim.num_computed = Status.WAITING, 0
         victim.prompt_logits.clear()
-        self.waiting.appendleft(victim)
+        self._wait(victim, front=True)
         self.num_preemptions += 1
+
+    def _release(self, seq: Sequence):
+        seq.cache.release()
+        seq.cache = None
+        seq.pending_copies = ([], [])
+        seq.seen_versions = None
+        self.inflight.release(seq.id)
+
+    # ---- chunk insertion and finish -------------------------------------------------------
+
+    def chunk_done(self, seq: Sequence, end: int):
+        """A prefill chunk up to position `end` is computed: its whole pages enter the trees."""
+        if seq.status is not Status.RUNNING:
+            return
+        seq.cache.commit(np.asarray(seq.tokens[:end], np.int32))
+        self.inflight.inserted(seq.id, end // self.cache.page_size)
 
     def finish(self, seq: Sequence, reason: str, error: Exception | None = None):
         """End a request: insert its cached tokens into the trees and free its private pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            tokens = np.asarray(seq.tokens[: seq.num_computed], np.int32)
             if error is None:
-                seq.cache.commit(np.asarray(seq.tokens[: seq.num_computed], np.int32))
-            seq.cache.release()
-            seq.cache = None
+                seq.cache.commit(tokens)
+            self._release(seq)
+            if error is None and seq.session_id is not None and self.admission.pins:
+                self._hold_session(seq.session_id, seq, tokens)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.admission.on_leave(seq)
         seq.finish(reason, error)
+
+    def _hold_session(self, session_id: str, seq: Sequence, tokens):
+        old = self.sessions.pop(session_id, None)
+        if old is not None:
+            old[0].release()
+        hold = self.cache.hold(tokens, seq.adapter_key, list(seq.fanout.values()), pin=False)
+        self.sessions[session_id] = (hold, time.monotonic() + self.session_ttl_s)
+
+    def _expire_sessions(self):
+        if not self.sessions:
+            return
+        now = time.monotonic()
+        for sid, (hold, expiry) in list(self.sessions.items()):
+            if expiry <= now:
+                hold.release()
+                del self.sessions[sid]
+
+    def release_sessions(self):
+        for hold, _ in self.sessions.values():
+            hold.release()
+        self.sessions.clear()
 
 
 def _merge(a, b):

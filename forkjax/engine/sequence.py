@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import time
 
 import numpy as np
 
@@ -46,12 +47,20 @@ class SamplingParams:
 
 class Sequence:
     def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
-                 params: SamplingParams, score: bool = False):
+                 params: SamplingParams, score: bool = False, *, session_id: str | None = None,
+                 fanout: dict[int, object] | None = None):
         self.id = next(_ids)
         self.prompt = list(prompt)
         self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
         self.params = params
         self.score = score  # compute every prompt position and keep its logits
+        self.session_id = session_id  # a workflow's requests share one: its pages outlive a tool call
+        self.fanout = fanout or {}  # {adapter slot: adapter key} whose residuals this one writes
+        self.arrival = time.monotonic()
+        self.hold = None  # PrefixHold while waiting (cache-aware admission)
+        self.page_hashes: list[int] = []  # chain hashes of whole pages of `tokens` (inflight.py)
+        self.key_ns: list = []  # (pool, namespace) of each pool it uses (scheduler.py)
+        self.seen_versions = None  # the cache's versions when it last took over others' pages
         self.output: list[int] = []
         self.status = Status.WAITING
         self.cache = None  # SeqCache while running

@@ -45,6 +45,12 @@ class QKV:
              for p in ("q_proj", "k_proj", "v_proj")]
         return (0, hq * hd, (hq + hkv) * hd, *a)
 
+    def all_slots_xa(self, part: str):
+        """-> xA of `part` for every adapter slot [T, N, R] (float32, from the GEMM output)."""
+        n, r = self.proj.slots
+        first = self.proj.a_rows(part, 0)
+        return self.y[:, first:first + n * r].reshape(-1, n, r)
+
     def q(self):
         """-> q [T, Hq, D], LoRA and RoPE applied."""
         hq, _, hd = self.heads

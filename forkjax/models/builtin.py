@@ -16,6 +16,10 @@ from forkjax.models.loader import build_model
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                  tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
 
 # HF config.json contents (the fields ModelConfig reads).
 BUILTIN_CONFIGS: dict[str, dict] = {
@@ -28,11 +32,11 @@ BUILTIN_CONFIGS: dict[str, dict] = {
                        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096,
                        tie_word_embeddings=True, bos_token_id=256, eos_token_id=257),
-    "llama3-8b-random": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                             intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                             num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                             max_position_embeddings=8192, tie_word_embeddings=False,
-                             bos_token_id=128000, eos_token_id=128001),
+    "llama3-8b-random": _LLAMA3_8B,
+    # Llama-3.1-8B: the same network with 128k positions through llama3 RoPE scaling.
+    "llama3.1-8b-random": dict(_LLAMA3_8B, max_position_embeddings=131072,
+                               rope_parameters={"rope_theta": 500000.0, **_LLAMA3_SCALING},
+                               eos_token_id=[128001, 128008, 128009]),
     "qwen2.5-7b-random": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                               intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                               num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,

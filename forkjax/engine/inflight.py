@@ -1,0 +1,93 @@
+"""In-flight prefix sharing: which running request will compute, and insert, which page.
+
+Requests admitted together that share a prefix nobody has cached yet should compute it once: the
+first to be admitted leads, and every later one waits for the leader's chunks to enter the trees
+(the engine inserts a prefill chunk's whole pages once its step is done) and then takes them over
+as hits (`SeqCache.extend_hits`): a base hit under `forkkv` / `full_reuse` / `lrshared`, a full
+hit for the same adapter under `prefix`, a full hit under `forkkv` with residual fan-out.
+
+A page is named by a chain hash of the tokens up to its end (vLLM's block hashes) and by the pool
+and namespace it goes to, so two requests name one page alike exactly when they would share it in
+that tree. The leader registers every page of its prompt it will compute and nobody else has
+registered; a request waits before a page another live request registered and has not inserted
+yet. Owners never wait for the pages they own, and pages are registered in admission order, so
+waits cannot form a cycle: a wait ends when its leader's chunk is inserted, or when the leader
+leaves (finishes, aborts, is preempted), and then the follower computes and registers the page
+itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+PageKey = tuple[str, Hashable, int]  # (pool, namespace, chain hash)
+
+
+def page_hashes(tokens, page_size: int, known: list[int] | None = None) -> list[int]:
+    """Chain hashes of the whole pages of `tokens` (hash j covers tokens[:(j+1)·S]); `known`:
+    hashes of a prefix computed before, extended rather than recomputed."""
+    out = list(known or [])
+    data = np.asarray(tokens, np.int32)[: len(tokens) // page_size * page_size].tobytes()
+    step = 4 * page_size
+    h = out[-1] if out else 0
+    for j in range(len(out), len(data) // step):
+        h = hash((h, data[j * step:(j + 1) * step]))
+        out.append(h)
+    return out
+
+
+class InflightPages:
+    """{page key: id of the running request that will insert it}."""
+
+    def __init__(self):
+        self.owner: dict[PageKey, int] = {}
+        self._owned: dict[int, list[tuple[int, PageKey]]] = {}  # request id -> (page, key)
+
+    def register(self, rid: int, keys: list[tuple[int, PageKey]]) -> None:
+        """Claim for request `rid` the (page index, key) pairs nobody owns yet."""
+        mine = self._owned.setdefault(rid, [])
+        for page, key in keys:
+            if key not in self.owner:
+                self.owner[key] = rid
+                mine.append((page, key))
+
+    def waits_for(self, rid: int, keys: list[PageKey]) -> int | None:
+        """The request that owns one of `keys` (other than `rid`), or None."""
+        for key in keys:
+            owner = self.owner.get(key)
+            if owner is not None and owner != rid:
+                return owner
+        return None
+
+    def inserted(self, rid: int, num_pages: int) -> None:
+        """Request `rid` inserted its first `num_pages` pages: others take them from the tree."""
+        mine = self._owned.get(rid)
+        if not mine:
+            return
+        keep = []
+        for page, key in mine:
+            if page < num_pages:
+                del self.owner[key]
+            else:
+                keep.append((page, key))
+        self._owned[rid] = keep
+
+    def forget(self, rid: int, pool_ns: tuple) -> None:
+        """Request `rid` will not insert its pages of (pool, namespace) after all."""
+        keep = []
+        for page, key in self._owned.get(rid, ()):
+            if key[:2] == pool_ns:
+                del self.owner[key]
+            else:
+                keep.append((page, key))
+        self._owned[rid] = keep
+
+    def release(self, rid: int) -> None:
+        """Request `rid` left: its pages are nobody's now."""
+        for _, key in self._owned.pop(rid, ()):
+            del self.owner[key]
+
+    def __len__(self) -> int:
+        return len(self.owner)
