@@ -142,10 +142,10 @@ PROFILES: dict[str, Profile] = {
         obs=LengthDist(words(200), 0.3, 32, 512)),
     "apigen": Profile(
         "apigen",
-        context=LengthDist(200, 0.5, 32, 2_048),
+        context=LengthDist(200, 0.5, 32, 1_024),
         instruction=LengthDist(24, 0.5, 4, 128),
         gen=LengthDist(40, 0.5, 8, 256),
-        obs=LengthDist(64, 0.7, 8, 512)),
+        obs=LengthDist(64, 0.7, 8, 256)),
 }
 
 
