@@ -1,0 +1,75 @@
+"""What a workflow is to a driver: LLM calls that become ready over time, and a sink for their
+outputs. ReAct and MapReduce implement it; the in-process driver (`driver.py`) and the HTTP one
+(`http_driver.py`) run any workflow the same way, so the workflow logic lives here only.
+
+A driver loops: submit everything `pop_ready(now)` hands out, and when a call finishes, give its
+tokens to `complete(request, output, now)`; when nothing runs, sleep until `next_ready_at()`.
+Times are seconds since the run started (every workflow starts at t=0, closed loop).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+from forkjax.config import ModelConfig
+
+# Random prompts stay in the id range of ordinary tokens of any tokenizer (Llama-2's whole vocab
+# is 32000): ids above it are often reserved or special in larger vocabularies.
+MAX_RANDOM_ID = 32_000
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TurnRequest:
+    """One LLM call of a workflow."""
+    session_id: str
+    turn: int                         # index of this call among its workflow's calls
+    adapter: str                      # the agent's LoRA adapter
+    prompt: list[int]                 # [prompt_len] token ids
+    max_tokens: int                   # tokens to generate (ignore_eos: exactly this many)
+    fanout_adapters: tuple[str, ...]  # agents that read this prompt's prefix later
+
+
+class Workflow(abc.ABC):
+    session_id: str
+    agents: tuple[str, ...]  # adapter names of its agents
+    num_turns: int           # LLM calls in all
+    turns_done: int
+
+    @property
+    def done(self) -> bool:
+        return self.turns_done == self.num_turns
+
+    @abc.abstractmethod
+    def pop_ready(self, now: float) -> list[TurnRequest]:
+        """The calls ready at `now` that were not handed out yet."""
+
+    @abc.abstractmethod
+    def complete(self, request: TurnRequest, output: list[int], now: float) -> None:
+        """`request` finished at `now` with `output` ([max_tokens] generated ids)."""
+
+    @abc.abstractmethod
+    def next_ready_at(self) -> float | None:
+        """When the next call becomes ready if none is running (a tool latency); None while one
+        runs or when done."""
+
+
+class TokenSampler:
+    """Random token ids in [0, min(vocab, 32000)) without the model's bos/eos: a special token in
+    the middle of a prompt would mark a false document boundary."""
+
+    def __init__(self, vocab_size: int, special_ids):
+        self.ids = np.setdiff1d(np.arange(min(vocab_size, MAX_RANDOM_ID)),
+                                np.asarray(sorted(special_ids), dtype=np.int64))
+        if not len(self.ids):
+            raise ValueError(f"no ordinary token ids in a vocabulary of {vocab_size}")
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig) -> "TokenSampler":
+        specials = set(cfg.eos_token_ids) | ({cfg.bos_token_id} if cfg.bos_token_id is not None else set())
+        return cls(cfg.vocab_size, specials)
+
+    def draw(self, rng: np.random.Generator, n: int) -> list[int]:
+        return self.ids[rng.integers(0, len(self.ids), n)].tolist()

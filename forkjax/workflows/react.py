@@ -1,0 +1,77 @@
+"""ReAct: N agents take turns reasoning and acting over one shared context for R rounds.
+
+A round is one turn of every agent, in order. Turn k (k = 0 .. N*R - 1) belongs to agent
+a = agents[k % N] and reads
+
+    prompt_k  = context + history_k + cue_a        # cue last: all agents share the longest prefix
+    history_0 = []
+    history_{k+1} = history_k + gen_k + obs_k      # obs_k: the tool's answer to turn k's action
+
+so every agent forks the prefix the previous agents built: under prefix caching each adapter
+recomputes and stores its own copy of it, under ForkKV they share its base K/V. Turn k generates
+gen_k tokens; its tool observation (obs_k random tokens) arrives `tool_latency` seconds after it
+finishes, and turn k+1 becomes ready then. The last turn's action needs no observation: the
+workflow ends when its last generation does.
+
+Lengths [tokens]: context, cue (one per agent, drawn once), gen_k and obs_k are drawn from the
+profile in turn order with the workflow's own Generator, so a workflow's shape depends only on
+its seed, never on timing or on what the model generated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
+from forkjax.workflows.profiles import Profile
+
+
+class ReActWorkflow(Workflow):
+    def __init__(self, index: int, agents, rounds: int, profile: Profile, tokens: TokenSampler,
+                 rng: np.random.Generator, tool_latency: float = 0.0):
+        agents = tuple(agents)
+        if not agents or len(set(agents)) != len(agents):
+            raise ValueError(f"agents={agents!r}: expected distinct adapter names")
+        if rounds < 1:
+            raise ValueError(f"rounds={rounds!r}: expected >= 1")
+        if tool_latency < 0:
+            raise ValueError(f"tool_latency={tool_latency!r}: expected seconds >= 0")
+        self.session_id = f"wf{index}"
+        self.agents, self.num_turns, self.turns_done = agents, len(agents) * rounds, 0
+        self.profile, self.tokens, self.rng, self.tool_latency = profile, tokens, rng, tool_latency
+        self.context = tokens.draw(rng, profile.context.sample(rng))             # [context]
+        self.cues = {a: tokens.draw(rng, profile.instruction.sample(rng)) for a in agents}
+        self.history: list[int] = []                                             # [sum(gen+obs)]
+        self._ready_at = 0.0
+        self._in_flight = False
+
+    @staticmethod
+    def longest_request(profile: Profile, num_agents: int, rounds: int) -> int:
+        """Prompt + generation tokens of the longest possible turn (the last one)."""
+        p = profile
+        return (p.context.upper + (num_agents * rounds - 1) * (p.gen.upper + p.obs.upper)
+                + p.instruction.upper + p.gen.upper)
+
+    def pop_ready(self, now: float) -> list[TurnRequest]:
+        if self.done or self._in_flight or now < self._ready_at:
+            return []
+        k = self.turns_done
+        agent = self.agents[k % len(self.agents)]
+        last = k == self.num_turns - 1
+        self._in_flight = True
+        return [TurnRequest(self.session_id, k, agent, self.context + self.history + self.cues[agent],
+                            self.profile.gen.sample(self.rng),
+                            () if last else tuple(a for a in self.agents if a != agent))]
+
+    def complete(self, request: TurnRequest, output: list[int], now: float) -> None:
+        if not self._in_flight or request.turn != self.turns_done:
+            raise ValueError(f"{self.session_id}: turn {request.turn} completed out of order")
+        self._in_flight = False
+        self.turns_done += 1
+        self.history += output
+        if not self.done:
+            self.history += self.tokens.draw(self.rng, self.profile.obs.sample(self.rng))
+            self._ready_at = now + self.tool_latency
+
+    def next_ready_at(self) -> float | None:
+        return None if self.done or self._in_flight else self._ready_at

@@ -1,0 +1,307 @@
+"""Multi-agent workflow benchmark (ForkKV §7: Figs. 11 and 14): closed-loop ReAct or MapReduce
+workflows of LoRA agents on one base model, tasks/s against concurrent workflows, per policy.
+
+    # GPU headline: ReAct, 3 agents x 4 rounds over a 4k shared context, 64 generated + 64
+    # observed tokens a turn, 4/16/32 concurrent workflows, every policy
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --sweep 4,16,32 \\
+        --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 --gen 64 --obs 64 \\
+        --out $OUT/react
+    # MapReduce: 4 mappers + 1 reducer over a 4k document, 64 tokens each, 16 workflows
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern mapreduce --workflows 16 \\
+        --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 --gen 64 \\
+        --out $OUT/mapreduce
+    # CPU smoke run
+    PYTHONPATH=. python scripts/bench_workflows.py --model tiny-llama --workflows 2 --context 64 \\
+        --gen 4 --obs 4 --rounds 2 --no-warmup --out /tmp/wf
+
+Policies: `prefix` (exact; SGLang/vLLM's prefix caching: merged K/V per adapter), `full_reuse`
+(the merged K/V of whichever agent came first, shared by all: cheap and wrong), `forkkv` (shared
+base K/V + per-agent residual), `lrshared` (base and residual shared; the agents share their LoRA
+A, as LRAgent requires), `forkkv+fanout` (forkkv whose requests also write the residuals of their
+workflow's other agents). `lrshared` agents share one random A per layer and module; the other
+policies' agents are independent rank-`--rank` adapters on q/k/v/o, one per agent.
+
+One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
+before each run); its warm-up compiles every shape, and `compile_s` is the build's time
+(JAX_COMPILATION_CACHE_DIR=DIR keeps the programs across engines and runs; `compile_s` then
+counts loading them). Lengths of the fixed profile: --context (shared, read first),
+--instruction (each agent's cue or instruction, read last), --gen and --obs (ReAct's tool
+observation) tokens; --profile loogle|narrativeqa|apigen draws them instead. The KV budget
+defaults to 16e9 bytes on a GPU: what a 40-80 GB GPU keeps for K/V beside a larger model's
+weights, i.e. the memory contention ForkKV is about (an H200 would otherwise give ~100 GB, where no
+policy runs out of room); 64 MiB on a CPU. `per_agent_kv_bytes` is measured after each run in a
+budget that evicts nothing: the cache flushed, ONE workflow of the same shape (no tool latency)
+runs alone, and the bytes both pools hold at its end are divided by its agents.
+
+Output: a single run writes DIR/results.json; several (a sweep, or policies) write
+DIR/<policy>-<N>/results.json each, DIR/summary.csv, DIR/throughput.png (Fig. 11 style) and
+DIR/breakdown.png (Fig. 14 style), all rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import jax
+
+import forkjax
+from forkjax.config import ModelConfig
+from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
+                               longest_request, make_workflows)
+from forkjax.workflows.agents import agent_adapters
+from forkjax.workflows.driver import run_in_process
+from forkjax.workflows.plots import plot_breakdown, plot_throughput
+
+POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
+WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
+GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
+FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
+SUMMARY = ("policy", "workflows", "tasks_per_s", "tokens_per_s", "per_agent_kv_bytes", "base_hit_rate",
+           "residual_hit_rate", "decode_batch_size_mean", "prefill_tokens_computed", "preemptions",
+           "latency_p50_s", "compile_s", "wall_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3.1-8b-random", help="built-in name or HF checkpoint dir "
+                   "(%(default)s; tiny-llama on a CPU)")
+    p.add_argument("--pattern", default="react", choices=PATTERNS)
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--workflows", type=int, default=None, help="concurrent workflows (4)")
+    n.add_argument("--sweep", default=None, help="comma list of workflow counts, e.g. 1,2,4,8,16,32")
+    p.add_argument("--policy", default="forkkv", help=f"one or a comma list of {', '.join(POLICIES)}")
+    p.add_argument("--residual-fanout", action="store_true", help="run every forkkv as forkkv+fanout")
+    p.add_argument("--residual-fraction", type=float, default=None,
+                   help="share of the KV budget for the residual pool (engine default)")
+    p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"))
+    p.add_argument("--kv-cache-bytes", type=float, default=None,
+                   help="KV budget in bytes (16e9 on a GPU, 64 MiB on a CPU)")
+    p.add_argument("--profile", default="fixed", choices=("fixed", *PROFILES),
+                   help="lengths: fixed (the flags below) or a dataset's (forkjax/workflows/profiles.py)")
+    for name, default in FIXED_DEFAULTS.items():
+        p.add_argument(f"--{name}", type=int, default=None, help=f"{name} tokens, fixed profile ({default})")
+    p.add_argument("--rounds", type=int, default=4, help="ReAct rounds (a turn of every agent each)")
+    p.add_argument("--agents", type=int, default=3, help="ReAct agents")
+    p.add_argument("--mappers", type=int, default=4, help="MapReduce mappers (plus one reducer)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
+    p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
+    p.add_argument("--max-batch-size", type=int, default=None, help="(engine default: 64 GPU, 16 CPU)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--no-warmup", action="store_true", help="compile lazily (tests; compile_s then "
+                   "excludes most compiles)")
+    p.add_argument("--http", action="store_true", help="drive a local `forkjax.serve` app over HTTP "
+                   "with the openai client instead of the engine API")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workflows' lengths and tokens")
+    p.add_argument("--out", default="bench_workflows_out", help="output directory")
+    return p
+
+
+def check_args(args) -> tuple[list[str], list[int]]:
+    """Validate flags (ValueError naming the flag) and fill defaults -> (policies, counts)."""
+    policies = [s.strip() for s in args.policy.split(",")]
+    bad = [s for s in policies if s not in POLICIES]
+    if bad or len(set(policies)) != len(policies):
+        raise ValueError(f"--policy {args.policy!r}: expected distinct names among {', '.join(POLICIES)}")
+    if args.residual_fanout:
+        if "forkkv" not in policies:
+            raise ValueError("--residual-fanout applies to the forkkv policy, which --policy lacks")
+        policies = list(dict.fromkeys("forkkv+fanout" if s == "forkkv" else s for s in policies))
+    try:
+        counts = [int(s) for s in args.sweep.split(",")] if args.sweep else [args.workflows or 4]
+    except ValueError:
+        raise ValueError(f"--sweep {args.sweep!r}: expected a comma list of ints") from None
+    for name in ("rounds", "agents", "mappers", "rank", "max_prefill_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    if min(counts) < 1:
+        raise ValueError(f"workflow counts {counts}: expected >= 1")
+    if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
+        raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
+    if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
+        raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
+    if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r}: not a built-in model ({', '.join(BUILTIN_CONFIGS)}) "
+                         "nor a checkpoint directory")
+    given = [k for k in FIXED_DEFAULTS if getattr(args, k) is not None]
+    if args.profile != "fixed" and given:
+        raise ValueError(f"--{', --'.join(given)}: lengths of the fixed profile; --profile "
+                         f"{args.profile} draws its own")
+    for k, v in FIXED_DEFAULTS.items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+    if args.kv_cache_bytes is None:
+        args.kv_cache_bytes = GPU_KV_BYTES if jax.default_backend() == "gpu" else CPU_KV_BYTES
+    args.kv_cache_bytes = int(args.kv_cache_bytes)
+    if args.kv_cache_bytes < 1:
+        raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
+    return policies, counts
+
+
+class InProcess:
+    """Runs workflows through the Engine API."""
+
+    def __init__(self, engine, fanout: bool):
+        self.engine, self.fanout = engine, fanout
+
+    def fresh(self):
+        self.engine.flush_cache()
+        self.engine.reset_stats()
+
+    def run(self, workflows, desc: str):
+        return run_in_process(self.engine, workflows, fanout=self.fanout, desc=desc), self.engine.stats()
+
+
+class OverHttp:
+    """Runs workflows through the HTTP API of a LocalServer over the engine."""
+
+    def __init__(self, server, fanout: bool):
+        self.server, self.fanout = server, fanout
+
+    def fresh(self):
+        engine = self.server.loop.engine
+        self.server.call(lambda: (engine.flush_cache(), engine.reset_stats()))
+
+    def run(self, workflows, desc: str):
+        from forkjax.workflows.http_driver import run_http, scrape, stats_between
+
+        async def go():
+            before = await scrape(self.server.url)
+            result = await run_http(self.server.url, workflows, fanout=self.fanout, desc=desc)
+            return result, stats_between(before, await scrape(self.server.url))
+        result, stats = asyncio.run(go())
+        stats.setdefault("prefill_tokens_computed", None)  # a server that does not export it yet
+        return result, stats
+
+
+def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_model_len: int):
+    """-> (engine for `policy` with one adapter per agent, seconds the build took)."""
+    adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
+    t = time.perf_counter()
+    engine = forkjax.Engine.from_pretrained(
+        args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
+        dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
+        max_loras=len(names) + 1, residual_fanout=policy == "forkkv+fanout",
+        residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
+        schedule_policy=args.schedule_policy, max_model_len=max_model_len,
+        max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup, progress=True)
+    return engine, time.perf_counter() - t
+
+
+def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens) -> dict:
+    """One timed run of `n` workflows, then the per-agent KV of one workflow alone."""
+    shape = dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
+    runner.fresh()
+    t = time.perf_counter()
+    workflows = make_workflows(args.pattern, n, profile, tokens, tool_latency=args.tool_latency, **shape)
+    result, stats = runner.run(workflows, desc=f"{policy} x{n}")
+    wall_s = time.perf_counter() - t
+    runner.fresh()  # an empty cache whose budget evicts nothing; tool latency changes no KV
+    _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
+    prompt = stats["prompt_tokens"]
+    return {**result.summary(), "policy": policy, "workflows": n, "wall_s": wall_s,
+            "per_agent_kv_bytes": (one["base_bytes_used"] + one["residual_bytes_used"]) / len(names),
+            "base_hit_rate": stats["base_hit_tokens"] / prompt,
+            "residual_hit_rate": stats["residual_hit_tokens"] / prompt,
+            **{k: stats[k] for k in ("decode_batch_size_mean", "prefill_tokens_computed", "prompt_tokens",
+                                     "base_hit_tokens", "residual_hit_tokens", "preemptions")}}
+
+
+def summary_line(row: dict) -> str:
+    return (f"{row['pattern']} {row['policy']} x{row['workflows']}: {row['tasks_per_s']:.3f} tasks/s, "
+            f"{row['tokens_per_s']:.1f} tok/s, KV/agent {row['per_agent_kv_bytes'] / 2**20:.2f} MiB, "
+            f"hit base {row['base_hit_rate']:.3f} residual {row['residual_hit_rate']:.3f}, decode batch "
+            f"{row['decode_batch_size_mean']:.1f}, prefill {row['prefill_tokens_computed']} tok, "
+            f"{row['preemptions']} preemptions (run {row['wall_s']:.1f} s, build {row['compile_s']:.1f} s)")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def write_json(path: str, obj: dict):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def write_summary(out: str, rows: list[dict], title: str):
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SUMMARY, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot_throughput(rows, os.path.join(out, "throughput.png"), title)
+    plot_breakdown(rows, os.path.join(out, "breakdown.png"), title)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    policies, counts = check_args(args)
+    fixed = {k: getattr(args, k) for k in FIXED_DEFAULTS} if args.profile == "fixed" else {}
+    profile = get_profile(args.profile, **fixed)
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
+    tokens = TokenSampler.for_model(cfg)
+    names = agent_names(args.pattern, agents=args.agents, mappers=args.mappers)
+    longest = longest_request(args.pattern, profile, agents=args.agents, rounds=args.rounds,
+                              mappers=args.mappers)
+    max_model_len = -(-longest // 1024) * 1024
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"the longest request ({longest} tokens) exceeds {args.model}'s context of "
+                         f"{cfg.max_position_embeddings}")
+    meta = {**vars(args), "agents_per_workflow": len(names), "max_model_len": max_model_len,
+            "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "jax_version": jax.__version__, "git_commit": git_commit(),
+            "command": shlex.join(["scripts/bench_workflows.py", *argv])}
+    single = len(policies) == 1 and len(counts) == 1
+    shown = ("context", "gen", "obs") if args.pattern == "react" else ("context", "gen")
+    lengths = ", ".join(f"{k} {fixed[k]}" for k in shown) if fixed else f"{args.profile} lengths"
+    title = f"{args.model} {args.pattern}, {len(names)} agents, {lengths}"
+    rows = []
+    for policy in policies:
+        engine, compile_s = build_engine(args, policy, names, cfg, max_model_len)
+        fanout = policy == "forkkv+fanout"
+        with _serving(engine, args) as server:
+            runner = OverHttp(server, fanout) if args.http else InProcess(engine, fanout)
+            for n in counts:
+                row = {**meta, **run_point(runner, args, policy, n, names, profile, tokens),
+                       "compile_s": compile_s}
+                rows.append(row)
+                write_json(os.path.join(args.out, "results.json" if single else f"{policy}-{n}/results.json"),
+                           row)
+                if not single:
+                    write_summary(args.out, rows, title)
+                print(summary_line(row), flush=True)
+        del engine, runner, server
+        gc.collect()  # the next policy's pools need this one's memory
+    return rows
+
+
+def _serving(engine, args):
+    """With --http: the engine behind a loopback HTTP server for the run; else nothing."""
+    if not args.http:
+        return contextlib.nullcontext()
+    from forkjax.workflows.local_server import LocalServer  # the serve extra: fastapi, uvicorn
+    return LocalServer(engine, args.model)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"bench_workflows.py: error: {e}")
