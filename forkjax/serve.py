@@ -6,7 +6,18 @@
 
 Endpoints (vLLM's names and bodies): /v1/completions, /v1/chat/completions (`stream: true` for
 server-sent events; `model` picks the adapter, the base model answers to its own name),
-/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics (Prometheus).
+/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics (Prometheus),
+and SGLang's POST /flush_cache (frees every KV page no running request holds; behind --api-key
+like /v1).
+
+Both generation endpoints take two forkjax fields: `session_id` (the requests of one workflow;
+under lpm, after each ends its pages are evicted after others' for a while, so the next turn
+finds them) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
+writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
+none). A server started without --residual-fanout compiles the fan-out programs at the first
+such request. --schedule-policy picks the admission order (lpm: cached prefixes first, with a
+bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes.
+
 The HTTP layer is in forkjax/server/; this file parses flags, builds the engine and runs uvicorn.
 """
 
@@ -62,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-policy", default="forkkv",
                    choices=("forkkv", "prefix", "full_reuse", "lrshared"),
                    help="KV sharing across adapters (%(default)s; `prefix` is exact)")
+    p.add_argument("--residual-fanout", action="store_true",
+                   help="forkkv: every request also writes the residual KV of every loaded adapter "
+                        "(a request's fanout_adapters overrides it)")
+    p.add_argument("--residual-fraction", type=float, default=None,
+                   help="share of --kv-cache-bytes for the residual pool, in (0, 1) (default: one "
+                        "residual copy per base token per adapter loaded at start)")
+    p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
+                   help="admission order: lpm serves cached prefixes first, with a bounded wait "
+                        "(%(default)s)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2G (default: 80%% of free device memory; 256M on CPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
@@ -97,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.residual_fanout and args.cache_policy != "forkkv":
+        parser.error(f"--residual-fanout needs --cache-policy forkkv, not {args.cache_policy}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("forkjax").setLevel(args.log_level.upper())
     if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -110,6 +133,8 @@ def main(argv: list[str] | None = None):
             page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
             max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, seed=args.seed,
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+            residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
+            schedule_policy=args.schedule_policy,
             warmup=True, progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")

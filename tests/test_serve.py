@@ -5,7 +5,8 @@ One server per module (per xdist worker that runs any of these tests), so every 
 only its own worker's traffic and may read the server's counters. It runs the exact `prefix`
 policy in float32 (concurrent answers must equal one-by-one answers), small compile buckets, a
 1024-token context and a KV pool smaller than that context (to reach the "does not fit the
-pool" error).
+pool" error). Residual fan-out needs `forkkv`: one test starts a second, smaller server for it
+(one test, so xdist starts it once).
 """
 
 from __future__ import annotations
@@ -60,13 +61,29 @@ class Server:
         return out
 
 
+# Fan-out on: every request writes every adapter's residual unless it names its group. One
+# request at a time and 32-token prefill chunks: three programs to compile.
+FORKKV_ARGS = ["--dtype", "float32", "--cache-policy", "forkkv", "--residual-fanout", "--residual-fraction",
+               "0.5", "--max-batch-size", "1", "--max-prefill-tokens", "32", "--max-model-len", "128",
+               "--kv-cache-bytes", "1M", "--host", "127.0.0.1", "--port", "0"]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    yield from _serve(tmp_path_factory, SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def forkkv_server(tmp_path_factory):
+    yield from _serve(tmp_path_factory, FORKKV_ARGS)
+
+
+def _serve(tmp_path_factory, args: list[str]):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(REPO / ".cache" / "jax"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "forkjax.serve", *SERVER_ARGS], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "forkjax.serve", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + STARTUP_S
@@ -381,6 +398,16 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "lone_surrogate_name": ("/v1/load_lora_adapter", b'{"lora_name": "\\udc80x", "lora_path": "/tmp"}',
                             None, 400, None),
     "deep_nesting": ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400, None),
+    "session_id_wrong_type": ("/v1/completions", {"prompt": "x", "session_id": 7}, None, 400, "session_id"),
+    "session_id_too_long": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                     "session_id": "s" * 257}, None, 400, "session_id"),
+    "fanout_not_a_list": ("/v1/completions", {"prompt": "x", "fanout_adapters": "coder"}, None, 400,
+                          "fanout_adapters"),
+    "fanout_too_long": ("/v1/completions", {"prompt": "x", "fanout_adapters": ["coder"] * 257}, None, 400,
+                        "fanout_adapters"),
+    "fanout_off_forkkv": ("/v1/completions", {"prompt": "x", "fanout_adapters": ["coder"]}, None, 400,
+                          "fanout_adapters"),
+    "flush_no_api_key": ("/flush_cache", {}, {"authorization": ""}, 401, None),
 }
 
 
@@ -422,6 +449,47 @@ def test_bad_input_changes_nothing(server):
             assert after[key] == before[key], key
         assert complete(http, prompt="still serving", max_tokens=3)["usage"]["completion_tokens"] == 3
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_flush_cache_frees_every_idle_page(server):
+    evicted = 'forkjax:kv_pages_evicted_total{pool="%s"}'
+    with server.http() as http:
+        complete(http, model="coder", prompt="flush me " * 4, max_tokens=4, session_id="flush-test")
+        before = server.metrics()
+        assert before['forkjax:kv_pages_used{pool="base"}'] > 0
+        r = http.post("/flush_cache")
+    assert r.status_code == 200 and (m := re.fullmatch(r"Cache flushed\. (\d+) KV pages freed\.", r.text))
+    after = server.metrics()
+    assert after['forkjax:kv_pages_used{pool="base"}'] == after['forkjax:kv_pages_used{pool="residual"}'] == 0
+    freed = sum(after[evicted % p] - before[evicted % p] for p in ("base", "residual"))
+    assert freed == int(m[1]) == before['forkjax:kv_pages_used{pool="base"}']
+
+
+def test_fanout_writes_the_named_agents_residuals(forkkv_server):
+    """After planner's request writes coder's residual, coder's request on that prompt computes only
+    its tail; critic's, not named, computes its whole prompt. Without the field the server's
+    --residual-fanout writes every adapter's."""
+    computed = "forkjax:prefill_tokens_computed_total"
+
+    def cost(model, prompt, **extra) -> float:
+        before = forkkv_server.metrics()[computed]
+        complete(http, model=model, prompt=prompt, max_tokens=2, **extra)
+        return forkkv_server.metrics()[computed] - before
+
+    page = 16
+    named, every = "The plan the coder reads next, one page and more.", "Every agent reads this prompt again."
+    with forkkv_server.http() as http:
+        assert cost("planner", named, fanout_adapters=["coder"], session_id="wf") >= len(named)
+        assert cost("coder", named, session_id="wf") < page
+        assert cost("critic", named) >= len(named) - page
+        assert cost("planner", every) >= len(every)
+        assert [cost(agent, every) < page for agent in ("coder", "critic")] == [True, True]
+        before = forkkv_server.metrics()
+        r = http.post("/v1/completions", json={"model": "planner", "prompt": every, "fanout_adapters": ["nope"]})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "fanout_adapters"
+        assert r.json()["error"]["code"] == "model_not_found"
+    after = forkkv_server.metrics()
+    assert after["forkjax:prompt_tokens_total"] == before["forkjax:prompt_tokens_total"]  # nothing queued
 
 
 # ---- concurrency, cancellation, metrics -------------------------------------------------------

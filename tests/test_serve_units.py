@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import threading
 import time
+import types
 
 import pytest
 from pydantic import ValidationError
@@ -82,7 +83,11 @@ def test_chat_template_from_the_tokenizer_config(tmp_path):
     {"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": True}, {"prompt": "x", "n": 1.0},
     {"prompt": "x", "temperature": float("nan")}, {"prompt": "x", "temperature": 3},
     {"prompt": ["a", 1]}, {"prompt": "x", "stop": [""] * 2}, {"prompt": "x", "logprobs": 2},
-    {"prompt": "x", "best_of": 3}, {"prompt": "x", "presence_penalty": 0.5}, {"prompt": None}])
+    {"prompt": "x", "best_of": 3}, {"prompt": "x", "presence_penalty": 0.5}, {"prompt": None},
+    {"prompt": "x", "session_id": ""}, {"prompt": "x", "session_id": 5},
+    {"prompt": "x", "session_id": "s" * 257},
+    {"prompt": "x", "fanout_adapters": "coder"}, {"prompt": "x", "fanout_adapters": [1]},
+    {"prompt": "x", "fanout_adapters": ["coder"] * 257}])
 def test_completion_request_rejects(body):
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate(body)
@@ -90,8 +95,9 @@ def test_completion_request_rejects(body):
 
 def test_requests_accept_what_openai_clients_send():
     r = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "temperature": 0,
-                                          "stop": "\n", "logprobs": None, "echo": False, "unknown": 1})
-    assert r.stop_strings == ["\n"] and r.temperature == 0.0
+                                          "stop": "\n", "logprobs": None, "echo": False, "unknown": 1,
+                                          "session_id": "s" * 256, "fanout_adapters": []})
+    assert r.stop_strings == ["\n"] and r.temperature == 0.0 and r.fanout_adapters == []
     c = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                               "max_completion_tokens": 5, "tool_choice": "none",
                                               "response_format": {"type": "text"}})
@@ -101,14 +107,20 @@ def test_requests_accept_what_openai_clients_send():
 # ---- the engine thread over a scripted engine -------------------------------------------------
 
 class ScriptedEngine:
-    """Every step (2 ms) appends token 7 to each running request; `fail_next` makes one raise."""
+    """Every step (2 ms) appends token 7 to each running request; `fail_next` makes one raise.
+    Enough of the Engine for create_app too (a byte tokenizer, stats, config)."""
 
-    def __init__(self):
+    def __init__(self, cache_policy="forkkv"):
         self.waiting, self.running = collections.deque(), []
         self.adapters = {"a": object(), "b": object()}
         self.fail_next = False
         self.scheduler = self
         self.slots = self
+        self.config = types.SimpleNamespace(cache_policy=cache_policy, residual_fanout=False, page_size=16)
+        self.tokenizer, self.max_model_len = ByteTokenizer(), 1024
+        self.model_cfg = types.SimpleNamespace(vocab_size=512)
+        self.added: list[Sequence] = []
+        self.flushed_on: list[str] = []  # threads flush_cache ran on
 
     @property
     def has_work(self):
@@ -118,13 +130,15 @@ class ScriptedEngine:
     def by_name(self):
         return {n: (i, type("A", (), {"source": n})) for i, n in enumerate(self.adapters)}
 
-    def add_request(self, prompt, adapter, params):
+    def add_request(self, prompt, adapter, params, *, session_id=None, fanout_adapters=None):
         if adapter is not None and adapter not in self.adapters:
             raise KeyError(adapter)
         if not prompt:
             raise ValueError("empty prompt")
-        seq = Sequence(prompt, adapter, 0, None, params)
+        fanout = {self.by_name[n][0]: n for n in fanout_adapters or ()}  # KeyError for an unknown one
+        seq = Sequence(prompt, adapter, 0, None, params, session_id=session_id, fanout=fanout)
         self.waiting.append(seq)
+        self.added.append(seq)
         return seq
 
     def step(self):
@@ -148,8 +162,17 @@ class ScriptedEngine:
         seq.finish(reason)
 
     def unload_adapter(self, name):
-        assert not any(s.adapter == name for s in self.running), "unloaded under a running request"
+        slot = self.by_name[name][0]
+        assert not any(s.adapter == name or slot in s.fanout for s in self.running), \
+            "unloaded under a running request"
         del self.adapters[name]
+
+    def stats(self):
+        return {"base_pages_total": 64, "residual_pages_total": 64}
+
+    def flush_cache(self):
+        self.flushed_on.append(threading.current_thread().name)
+        return 3
 
 
 class Collector:
@@ -166,9 +189,10 @@ class Collector:
         return sum((o.token_ids for o in self.outputs), [])
 
 
-def submit(loop, adapter, n, prompt=(1,)) -> tuple[Collector, concurrent.futures.Future, RequestHandle]:
+def submit(loop, adapter, n, prompt=(1,),
+           **fields) -> tuple[Collector, concurrent.futures.Future, RequestHandle]:
     sink = Collector()
-    handle = RequestHandle(0, list(prompt), adapter, SamplingParams(max_new_tokens=n), sink)
+    handle = RequestHandle(0, list(prompt), adapter, SamplingParams(max_new_tokens=n), sink, **fields)
     return sink, loop.add([handle]), handle
 
 
@@ -212,6 +236,16 @@ def test_unload_waits_for_running_and_holds_new_requests(loop):
     assert "a" not in loop.adapters
 
 
+def test_unload_waits_for_requests_that_fan_out_to_the_adapter(loop):
+    # The fan-out writes the slot's weights under the adapter's key: not after the slot changed.
+    running, fut, handle = submit(loop, "b", 200, fanout_adapters=["a"])
+    fut.result(5)
+    assert handle.seq.fanout == {0: "a"}
+    unloaded = loop.after_drain("a", lambda: loop.engine.unload_adapter("a"))
+    unloaded.result(10)
+    assert running.done.is_set() and running.tokens == [7] * 200
+
+
 def test_an_engine_failure_fails_its_requests_and_the_loop_goes_on(loop):
     loop.call(lambda: setattr(loop.engine, "fail_next", True)).result(5)
     failed, _, _ = submit(loop, "a", 3)
@@ -228,8 +262,88 @@ def test_abort_finishes_the_request(loop):
     assert sink.done.wait(5) and sink.outputs[-1].finish_reason == "abort"
 
 
+# ---- the app over the scripted engine ---------------------------------------------------------
+
+@pytest.fixture
+def client(loop):
+    from fastapi.testclient import TestClient
+
+    from forkjax.server.app import create_app
+    app = create_app(loop, model_name="base", model_root="base", api_key="k")
+    with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+        yield c
+
+
+def test_session_and_fanout_reach_every_choice(client, loop):
+    r = client.post("/v1/completions", json={"model": "a", "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2,
+                                             "session_id": "wf-1", "fanout_adapters": ["b"]})
+    assert r.status_code == 200, r.text
+    assert [(s.session_id, s.fanout) for s in loop.engine.added] == [("wf-1", {1: "b"})] * 4
+
+
+def test_bad_fanout_is_refused_before_anything_is_queued(client, loop):
+    def error(fanout):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                      "max_tokens": 2, "fanout_adapters": fanout})
+        return r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]
+
+    assert error(["a", "zzz"]) == (404, "fanout_adapters", "model_not_found")
+    assert error(["base"]) == (404, "fanout_adapters", "model_not_found")  # the base has no residual
+    loop.adapters = {**loop.adapters, "ghost": "x"}  # unloaded between the server's check and the engine's
+    assert error(["ghost"]) == (404, "fanout_adapters", "model_not_found")
+    loop.engine.config.cache_policy = "prefix"
+    assert error(["a"]) == (400, "fanout_adapters", None)
+    assert loop.engine.added == []
+    none = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "fanout_adapters": []})
+    assert none.status_code == 200  # [] is no fan-out, under any policy
+
+
+def test_flush_cache_runs_on_the_engine_thread_behind_the_key(client, loop):
+    assert client.post("/flush_cache", headers={"Authorization": ""}).status_code == 401
+    assert client.post("/flush_cache/", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert loop.engine.flushed_on == []
+    r = client.post("/flush_cache")
+    assert r.status_code == 200 and r.text == "Cache flushed. 3 KV pages freed."
+    assert loop.engine.flushed_on == ["forkjax-engine"]
+
+
+# ---- command line -----------------------------------------------------------------------------
+
 def test_cli_lora_target_modules_reaches_the_engine():
     """A bad --lora-target-modules stops the server at start with the engine's message."""
     from forkjax.serve import main
     with pytest.raises(SystemExit, match="lm_head.*not supported"):
-        main(["--lora-target-modules", "q_proj", "lm_head", "--kv-cache-bytes", "32M"])
+        main(["--lora-target-modules", "q_proj", "lm_head", "--kv-cache-bytes", "32M",
+              "--compilation-cache-dir", ""])
+
+
+def test_cli_cache_flags_reach_the_engine(monkeypatch):
+    import forkjax
+    from forkjax.serve import main
+    calls = []
+
+    def from_pretrained(model, **kw):
+        calls.append(kw)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
+    for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo"]):
+        with pytest.raises(SystemExit, match="forkjax.serve: error: stop before loading"):
+            main([*argv, "--compilation-cache-dir", ""])
+    keys = ("residual_fanout", "residual_fraction", "schedule_policy")
+    picked = [tuple(kw[k] for k in keys) for kw in calls]
+    assert picked == [(False, None, "lpm"), (True, 0.25, "fifo")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--residual-fanout", "--cache-policy", "prefix"], "--residual-fanout needs --cache-policy forkkv"),
+    (["--schedule-policy", "sjf"], "invalid choice: 'sjf'"),
+    (["--residual-fraction", "half"], "invalid float value"),
+])
+def test_cli_refuses_bad_cache_flags_before_loading(argv, message, capsys, monkeypatch):
+    import forkjax
+    from forkjax.serve import main
+    monkeypatch.setattr(forkjax.Engine, "from_pretrained", lambda *a, **kw: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

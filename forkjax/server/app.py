@@ -55,6 +55,13 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         snap = await asyncio.wrap_future(loop.call(lambda: metrics.snapshot(loop)))
         return Response(metrics.render(snap, model_name), media_type=metrics.CONTENT_TYPE)
 
+    @app.post("/flush_cache", response_class=PlainTextResponse, responses={401: ERRORS[401]})
+    async def flush_cache() -> PlainTextResponse:
+        # SGLang's endpoint. Running requests keep their pages; everything else is freed.
+        freed = await asyncio.wrap_future(loop.call(engine.flush_cache))
+        log.info("flushed the KV cache: %d pages freed", freed)
+        return PlainTextResponse(f"Cache flushed. {freed} KV pages freed.")
+
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> ModelList:
         ctx = engine.max_model_len

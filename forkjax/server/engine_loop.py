@@ -8,7 +8,8 @@ queued commands, so a request waits at most one step to be admitted or aborted.
 Unloading (or replacing) an adapter waits until the requests running on it finish, and
 meanwhile the loop keeps stepping, so every other stream keeps flowing; requests for that
 adapter that arrive during the wait are held and admitted after the change (a removed adapter
-then answers "unknown").
+then answers "unknown"). A request that fans out to the adapter (writes its residual KV) counts
+as one on it: after the swap it would write the slot's new weights under the old adapter's key.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RequestHandle:
     adapter: str | None
     params: SamplingParams
     sink: Callable[[Output], None]
+    session_id: str | None = None
+    fanout_adapters: list[str] | None = None  # None: the engine's residual_fanout setting
     seq: Sequence | None = None
     sent: int = 0  # output tokens already passed to the sink
     failure: Exception | None = None  # set when the engine itself failed under this request
@@ -143,14 +146,15 @@ class EngineLoop:
                     fut.set_result(result)
 
     def _add(self, handles: list[RequestHandle], fut: concurrent.futures.Future):
-        held = next((b for b in self._barriers if any(h.adapter == b.name for h in handles)), None)
+        held = next((b for b in self._barriers if any(self._uses(h, b.name) for h in handles)), None)
         if held is not None:
             held.held.append((handles, fut))
             return
         done = []
         try:
             for h in handles:
-                h.seq = self.engine.add_request(h.prompt, h.adapter, h.params)
+                h.seq = self.engine.add_request(h.prompt, h.adapter, h.params, session_id=h.session_id,
+                                                fanout_adapters=h.fanout_adapters)
                 done.append(h)
         except Exception as e:
             for h in done:
@@ -198,9 +202,20 @@ class EngineLoop:
             except Exception:  # the HTTP side is gone (shutdown); the request is over anyway
                 log.debug("dropped an output of request %d", sid)
 
+    def _uses(self, h: RequestHandle, name: str) -> bool:
+        """Whether request `h` runs on adapter `name` or writes its residuals."""
+        if h.adapter == name:
+            return True
+        if h.seq is not None:  # queued: the engine resolved its fan-out to slots
+            entry = self.engine.slots.by_name.get(name)
+            return entry is not None and entry[0] in h.seq.fanout
+        if h.fanout_adapters is None:
+            return self.engine.config.residual_fanout
+        return name in h.fanout_adapters
+
     def _release_barriers(self):
         for b in list(self._barriers):
-            if any(h.adapter == b.name for h in self._live.values()):
+            if any(self._uses(h, b.name) for h in self._live.values()):
                 continue
             self._barriers.remove(b)
             try:

@@ -53,6 +53,12 @@ def render(s: dict, model_name: str) -> str:
     metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", s["prompt_tokens"])])
     metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the cache, per pool.",
            [('pool="base"', s["base_hit_tokens"]), ('pool="residual"', s["residual_hit_tokens"])])
+    metric("prefill_tokens_computed_total", "counter",
+           "Prompt positions run through the model (cache misses, recomputation after preemption).",
+           [("", s["prefill_tokens_computed"])])
+    metric("kv_pages_evicted_total", "counter",
+           "KV cache pages freed by eviction (/flush_cache included), per pool.",
+           [(f'pool="{p}"', s[f"evicted_{p}_pages"]) for p in POOLS])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", s["generation_tokens"])])
     metric("decode_batch_size_mean", "gauge", "Mean number of requests per decode step.",
            [("", s["decode_batch_size_mean"])])

@@ -13,9 +13,10 @@ from starlette.exceptions import HTTPException
 
 from forkjax.server.protocol import APIError
 
-# As in vLLM, the key guards the API (/v1); /health, /metrics and the OpenAPI docs stay open
-# for probes and scrapers, which carry no credentials.
-GUARDED_PREFIX = "/v1"
+# As in vLLM, the key guards the API (/v1), and here also /flush_cache, which changes what every
+# client's requests cost; /health, /metrics and the OpenAPI docs stay open for probes and
+# scrapers, which carry no credentials.
+GUARDED_PREFIXES = ("/v1", "/flush_cache")
 
 
 class RequestGuard:
@@ -26,7 +27,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith(GUARDED_PREFIX) \
+        if self.api_key is not None and scope["path"].startswith(GUARDED_PREFIXES) \
                 and not self._authorized(headers.get("authorization", "")):
             return await _reply(send, APIError(401, "Incorrect API key provided: send "
                                                     "'Authorization: Bearer <key>'.", code="invalid_api_key"))

@@ -4,7 +4,8 @@ Requests validate strictly: a wrong type is a 400, never a silent coercion ("5" 
 Unknown fields are ignored, as OpenAI and vLLM do; known OpenAI fields whose feature forkjax
 does not implement are accepted only at their neutral value, so a client never gets a
 silently different answer than it asked for. vLLM's extensions (top_k, ignore_eos,
-stop_token_ids, return_token_ids, add_generation_prompt, load_inplace) keep vLLM's names.
+stop_token_ids, return_token_ids, add_generation_prompt, load_inplace) keep vLLM's names;
+forkjax's own (session_id, fanout_adapters) steer its KV cache.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_CHOICES = 64
 # Stop strings are matched against the text after every token: bound their count and length.
 MAX_STOP, MAX_STOP_CHARS = 16, 256
+# Bounds on forkjax's cache fields: ids and names are looked up per request and per choice.
+MAX_SESSION_ID_CHARS, MAX_FANOUT = 256, 256
 
 
 class ErrorInfo(BaseModel):
@@ -109,6 +112,15 @@ class _Sampling(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    session_id: str | None = Field(
+        None, min_length=1, max_length=MAX_SESSION_ID_CHARS,
+        description="forkjax: the requests of one workflow share it; after each ends, its KV pages are "
+                    "evicted after others' for a while (lpm scheduling), so the next turn finds them")
+    fanout_adapters: list[str] | None = Field(
+        None, max_length=MAX_FANOUT,
+        description="forkjax (forkkv policy): adapters whose residual KV this request also writes, so "
+                    "their later requests on this prefix hit; null: the server's --residual-fanout, "
+                    "[]: none")
 
     @model_validator(mode="after")
     def _check_stop(self):

@@ -69,6 +69,11 @@ class Generation:
             self.open.clear()
 
 
+def _unknown_fanout(name: str) -> APIError:
+    return APIError(404, f"fanout_adapters: the adapter `{name}` does not exist.",
+                    param="fanout_adapters", code="model_not_found")
+
+
 def _engine_error(error: Exception | None) -> APIError:
     if isinstance(error, ValueError):  # e.g. the request stopped fitting the KV cache
         return APIError(400, str(error))
@@ -90,6 +95,17 @@ class OpenAIServing:
         if model not in self.loop.adapters:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
+
+    def check_fanout(self, names: list[str] | None):
+        """`fanout_adapters` before anything is queued: 400 off forkkv, 404 for a name that is
+        no adapter (the base model has no residual to write)."""
+        if names and self.loop.engine.config.cache_policy != "forkkv":
+            raise APIError(400, "fanout_adapters needs the forkkv cache policy; this server runs "
+                                f"{self.loop.engine.config.cache_policy!r} (--cache-policy)",
+                           param="fanout_adapters")
+        for name in names or ():
+            if name not in self.loop.adapters:
+                raise _unknown_fanout(name)
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """The completion budget: `requested`, or (None) all the context and the KV pool allow."""
@@ -120,16 +136,22 @@ class OpenAIServing:
 
     async def start(self, req, adapter: str | None, prompts: list[list[int]],
                     max_tokens: list[int]) -> Generation:
+        fanout = req.fanout_adapters
+        self.check_fanout(fanout)
         aio, queue = asyncio.get_running_loop(), asyncio.Queue()
         sink = lambda out: aio.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731
-        handles = [RequestHandle(i * req.n + j, ids, adapter, self.sampling(req, budget, j), sink)
+        handles = [RequestHandle(i * req.n + j, ids, adapter, self.sampling(req, budget, j), sink,
+                                 session_id=req.session_id, fanout_adapters=fanout)
                    for i, (ids, budget) in enumerate(zip(prompts, max_tokens)) for j in range(req.n)]
         gen = Generation(self.loop, handles, queue, self.tokenizer, req.stop_strings)
         try:
             await asyncio.wrap_future(self.loop.add(handles))
-        except KeyError:  # unloaded between our check and the engine's
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
-                           code="model_not_found") from None
+        except KeyError:  # unloaded between our checks and the engine's
+            if not fanout or (adapter is not None and adapter not in self.loop.adapters):
+                raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                               code="model_not_found") from None
+            gone = [n for n in fanout if n not in self.loop.adapters]
+            raise _unknown_fanout((gone or fanout)[0]) from None
         except ValueError as e:
             param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise APIError(400, str(e), param=param) from None
