@@ -43,7 +43,7 @@ def test_react_turns_share_the_longest_prefix_and_follow_the_flags():
         assert w.pop_ready(t) == []  # one turn at a time
         k = req.turn
         assert req.session_id == "wf0" and req.adapter == agents[k % 3] and req.max_tokens == gen
-        assert len(req.prompt) == ctx + k * (gen + obs) + cue
+        assert len(req.prompt) == ctx + k * (cue + gen + obs) + cue
         assert req.prompt[-cue:] == w.cues[req.adapter]  # the agent's cue comes last
         assert req.fanout_adapters == (() if k == 5 else tuple(a for a in agents if a != req.adapter))
         out = _fake_output(req)
@@ -52,8 +52,8 @@ def test_react_turns_share_the_longest_prefix_and_follow_the_flags():
         t += 1.0
     assert len(prompts) == w.num_turns == 6
     for (p, out), (q, _) in zip(prompts, prompts[1:]):
-        # The next agent reads this turn's prompt (minus the cue), its output, then an observation.
-        assert q[:len(p) - cue] == p[:-cue] and q[len(p) - cue:len(p) - cue + gen] == out
+        # The next agent reads this turn's prompt, its output, then an observation.
+        assert q[:len(p)] == p and q[len(p):len(p) + gen] == out
     assert max(len(p) for p, _ in prompts) + gen == longest_request("react", w.profile, agents=3, rounds=2)
     assert all(0 <= x < 256 for p, _ in prompts for x in p)  # tiny-llama: 256 bos, 257 eos
 

@@ -126,7 +126,11 @@ class Engine:
         self.runner.set_model(self.model)
 
     def _drain(self, name: str):
-        while any(s.adapter == name for s in self.scheduler.running + list(self.scheduler.waiting)):
+        """Step until no request runs on adapter `name` or writes its residual (fan-out): its
+        slot's weights and cache identity are about to change."""
+        slot = self.slots.by_name[name][0] if name in self.slots.by_name else None
+        while any(s.adapter == name or slot in s.fanout
+                  for s in self.scheduler.running + list(self.scheduler.waiting)):
             self.step()
 
     def _install(self, adapter: LoraAdapter):

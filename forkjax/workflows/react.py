@@ -5,10 +5,13 @@ a = agents[k % N] and reads
 
     prompt_k  = context + history_k + cue_a        # cue last: all agents share the longest prefix
     history_0 = []
-    history_{k+1} = history_k + gen_k + obs_k      # obs_k: the tool's answer to turn k's action
+    history_{k+1} = history_k + cue_a + gen_k + obs_k   # the transcript: who spoke, what, and
+                                                        # obs_k, the tool's answer to the action
 
-so every agent forks the prefix the previous agents built: under prefix caching each adapter
-recomputes and stores its own copy of it, under ForkKV they share its base K/V. Turn k generates
+so turn k+1's prompt extends turn k's prompt and generation, and every agent forks the prefix the
+previous agents built: under prefix caching each adapter recomputes and stores its own copy of
+it, under ForkKV they share its base K/V (and with residual fan-out reuse the previous agent's
+generation outright). Turn k generates
 gen_k tokens; its tool observation (obs_k random tokens) arrives `tool_latency` seconds after it
 finishes, and turn k+1 becomes ready then. The last turn's action needs no observation: the
 workflow ends when its last generation does.
@@ -41,7 +44,7 @@ class ReActWorkflow(Workflow):
         self.profile, self.tokens, self.rng, self.tool_latency = profile, tokens, rng, tool_latency
         self.context = tokens.draw(rng, profile.context.sample(rng))             # [context]
         self.cues = {a: tokens.draw(rng, profile.instruction.sample(rng)) for a in agents}
-        self.history: list[int] = []                                             # [sum(gen+obs)]
+        self.history: list[int] = []                                       # [sum(cue+gen+obs)]
         self._ready_at = 0.0
         self._in_flight = False
 
@@ -49,7 +52,8 @@ class ReActWorkflow(Workflow):
     def longest_request(profile: Profile, num_agents: int, rounds: int) -> int:
         """Prompt + generation tokens of the longest possible turn (the last one)."""
         p = profile
-        return (p.context.upper + (num_agents * rounds - 1) * (p.gen.upper + p.obs.upper)
+        return (p.context.upper + (num_agents * rounds - 1) * (p.instruction.upper + p.gen.upper
+                                                               + p.obs.upper)
                 + p.instruction.upper + p.gen.upper)
 
     def pop_ready(self, now: float) -> list[TurnRequest]:
@@ -68,7 +72,7 @@ class ReActWorkflow(Workflow):
             raise ValueError(f"{self.session_id}: turn {request.turn} completed out of order")
         self._in_flight = False
         self.turns_done += 1
-        self.history += output
+        self.history += self.cues[request.adapter] + output
         if not self.done:
             self.history += self.tokens.draw(self.rng, self.profile.obs.sample(self.rng))
             self._ready_at = now + self.tool_latency
