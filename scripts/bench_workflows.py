@@ -22,9 +22,10 @@ workflow's other agents). `lrshared` agents share one random A per layer and mod
 policies' agents are independent rank-`--rank` adapters on q/k/v/o, one per agent.
 
 One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
-before each run); its warm-up compiles every shape, and `compile_s` is the build's time
-(JAX_COMPILATION_CACHE_DIR=DIR keeps the programs across engines and runs; `compile_s` then
-counts loading them). Lengths of the fixed profile: --context (shared, read first),
+before each run); its warm-up compiles every shape: `compile_s` is that warm-up's time, split in
+`compile_breakdown` by JAX's monitoring events (tracing, lowering to MLIR, XLA's compile), and
+`build_s` the whole engine build, weights included (JAX_COMPILATION_CACHE_DIR=DIR keeps the
+programs across engines and runs; `compile_s` then counts loading them). Lengths of the fixed profile: --context (shared, read first),
 --instruction (each agent's cue or instruction, read last), --gen and --obs (ReAct's tool
 observation) tokens; --profile loogle|narrativeqa|apigen draws them instead. The KV budget
 defaults to 16e9 bytes on a GPU: what a 40-80 GB GPU keeps for K/V beside a larger model's
@@ -34,7 +35,7 @@ budget that evicts nothing: the cache flushed, ONE workflow of the same shape (n
 runs alone, and the bytes both pools hold at its end are divided by its agents.
 
 Output: a single run writes DIR/results.json; several (a sweep, or policies) write
-DIR/<policy>-<N>/results.json each, DIR/summary.csv, DIR/throughput.png (Fig. 11 style) and
+DIR/<policy>-<N>/results.json each (`forkkv+fanout` as `forkkv-fanout`), DIR/summary.csv, DIR/throughput.png (Fig. 11 style) and
 DIR/breakdown.png (Fig. 14 style), all rewritten after every run.
 """
 
@@ -69,7 +70,7 @@ GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
 SUMMARY = ("policy", "workflows", "tasks_per_s", "tokens_per_s", "per_agent_kv_bytes", "base_hit_rate",
            "residual_hit_rate", "decode_batch_size_mean", "prefill_tokens_computed", "preemptions",
-           "latency_p50_s", "compile_s", "wall_s")
+           "latency_p50_s", "compile_s", "build_s", "wall_s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,9 +185,32 @@ class OverHttp:
         return result, stats
 
 
+class CompileTimes:
+    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.EVENTS.values(), 0.0)
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, secs, **_):
+        if name in self.EVENTS:
+            self.totals[self.EVENTS[name]] += secs
+
+    def since(self, before: dict) -> dict:
+        return {k: round(v - before[k], 3) for k, v in self.totals.items()}
+
+
+COMPILE_TIMES = CompileTimes()
+
+
 def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_model_len: int):
-    """-> (engine for `policy` with one adapter per agent, seconds the build took)."""
+    """-> (engine for `policy` with one adapter per agent, {build_s, compile_s, breakdown})."""
     adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
+    before = dict(COMPILE_TIMES.totals)
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(
         args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
@@ -195,7 +219,8 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
         max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup, progress=True)
-    return engine, time.perf_counter() - t
+    return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
+                        compile_breakdown=COMPILE_TIMES.since(before))
 
 
 def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens) -> dict:
@@ -222,10 +247,14 @@ def summary_line(row: dict) -> str:
             f"{row['tokens_per_s']:.1f} tok/s, KV/agent {row['per_agent_kv_bytes'] / 2**20:.2f} MiB, "
             f"hit base {row['base_hit_rate']:.3f} residual {row['residual_hit_rate']:.3f}, decode batch "
             f"{row['decode_batch_size_mean']:.1f}, prefill {row['prefill_tokens_computed']} tok, "
-            f"{row['preemptions']} preemptions (run {row['wall_s']:.1f} s, build {row['compile_s']:.1f} s)")
+            f"{row['preemptions']} preemptions (run {row['wall_s']:.1f} s, compile {row['compile_s']:.1f} s "
+            f"{row['compile_breakdown']})")
 
 
 def git_commit() -> str | None:
+    """HEAD, or $FORKJAX_COMMIT (a copy of the tree whose .git is not this commit's)."""
+    if os.environ.get("FORKJAX_COMMIT"):
+        return os.environ["FORKJAX_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -274,15 +303,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = f"{args.model} {args.pattern}, {len(names)} agents, {lengths}"
     rows = []
     for policy in policies:
-        engine, compile_s = build_engine(args, policy, names, cfg, max_model_len)
+        engine, build = build_engine(args, policy, names, cfg, max_model_len)
         fanout = policy == "forkkv+fanout"
         with _serving(engine, args) as server:
             runner = OverHttp(server, fanout) if args.http else InProcess(engine, fanout)
             for n in counts:
-                row = {**meta, **run_point(runner, args, policy, n, names, profile, tokens),
-                       "compile_s": compile_s}
+                row = {**meta, **run_point(runner, args, policy, n, names, profile, tokens), **build}
                 rows.append(row)
-                write_json(os.path.join(args.out, "results.json" if single else f"{policy}-{n}/results.json"),
+                run_dir = f"{policy.replace('+', '-')}-{n}"  # names a device's file transfer keeps
+                write_json(os.path.join(args.out, "results.json" if single else f"{run_dir}/results.json"),
                            row)
                 if not single:
                     write_summary(args.out, rows, title)

@@ -10,7 +10,15 @@
 #   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
 #           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
 #           specialised, forced split-K, cuDNN GEMM fusions
+#   kvw     K/V write kernel tests (fan-out rows included)          kvw_tests.log      ~1 min
+#   react   bench_workflows.py ReAct headline (3 agents x 4 rounds, react/, react.log   ~2-4 min
+#           4k context, 64 + 64 tokens a turn), policies $WF_POLICIES             a policy
+#           (default: all five), workflow counts $WF_COUNTS (4,16,32)
+#   mapreduce  bench_workflows.py MapReduce headline (4 mappers +   mapreduce/, ...    ~2-4 min
+#           reducer, 4k document, 64 tokens), $WF_POLICIES, 16 workflows          a policy
 #
+# Workflow results record $FORKJAX_COMMIT (pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
+# checkout: the device's copy of the tree does not carry the commit).
 #   bash scripts/gpu_check.sh sweep engine      # from the repository root, on the GPU machine
 set -u
 : "${OUT:?set OUT to the output folder}"
@@ -60,6 +68,15 @@ PY
             > "$OUT/gemm.log" 2>&1)
         echo "diag_decode_gemms: rc=$?"
         grep -E '^\{' "$OUT/gemm.log" ;;
+    kvw)
+        run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
+    react | mapreduce)
+        policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
+        [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" || shape="--workflows 16"
+        timeout 580 python3 scripts/bench_workflows.py --pattern "$stage" $shape --context 4096 \
+            --gen 64 --policy "$policies" --out "$OUT/$stage" > "$OUT/$stage.log" 2>&1
+        echo "bench_workflows $stage: rc=$?"
+        tr '\r' '\n' < "$OUT/$stage.log" | grep -E "^$stage|Error" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -149,7 +149,7 @@ def test_heap_is_rebuilt_when_stale_entries_pile_up():
     assert tree.evict(1) == 1
 
 
-def test_held_leaves_are_evicted_after_unheld_ones_and_pins_are_not_room():
+def test_held_leaves_are_evicted_after_unheld_ones_and_are_not_room():
     tree = _tree()
     _insert(tree, range(1, 9))  # oldest
     _insert(tree, range(20, 28))
@@ -157,19 +157,19 @@ def test_held_leaves_are_evicted_after_unheld_ones_and_pins_are_not_room():
     _, _, old = tree.match_prefix(NS, np.arange(1, 9))
     _, _, mid = tree.match_prefix(NS, np.arange(20, 28))
     tree.match_prefix(NS, np.arange(40, 48))  # recency: [1..8] < [20..27] < [40..47]
-    tree.inc_hold_ref(old)  # a session's pages: evicted last, still room for admission
-    tree.inc_hold_ref(mid, pin=True)  # a waiting request's hit: evicted last, not room
-    assert tree.evictable_size() == 6 and tree.evictable_size(pinned=False) == 4
+    tree.inc_hold_ref(old)
+    tree.inc_hold_ref(mid)
+    assert tree.evictable_size() == 6 and tree.evictable_size(held=False) == 2
     tree.check()
     assert tree.evict(2, held=False) == 2  # the unheld [40..47], although the newest
     assert tree.evict(2, held=False) == 0  # only held leaves are left
     assert tree.evict(2) == 2  # then the least recently used held one: [1..8]
     assert tree.match_prefix(NS, np.arange(20, 28))[0] == 8
-    tree.dec_hold_ref(mid, pin=True)
-    assert tree.evictable_size(pinned=False) == 2
+    tree.dec_hold_ref(mid)
+    assert tree.evictable_size(held=False) == 2
     tree.dec_hold_ref(old)  # its node was evicted meanwhile: only the counts go
     with pytest.raises(ValueError):
-        tree.dec_hold_ref(mid, pin=True)
+        tree.dec_hold_ref(mid)
     tree.check()
     assert tree.evicted_pages == 4 and tree.evict(10) == 2
 
@@ -178,13 +178,13 @@ def test_holds_follow_splits_and_locks():
     tree = _tree()
     _insert(tree, range(1, 13))
     _, _, node = tree.match_prefix(NS, np.arange(1, 13))
-    tree.inc_hold_ref(node, pin=True)
+    tree.inc_hold_ref(node)
     _, _, mid = tree.match_prefix(NS, np.arange(1, 7))  # splits the held node inside a page
     tree.check()
-    tree.inc_lock_ref(mid)  # locked pages are protected, not pinned room
-    assert tree.evictable_size() == tree.evictable_size(pinned=False) + 1
+    tree.inc_lock_ref(mid)  # locked pages are protected, not held room
+    assert tree.evictable_size() == tree.evictable_size(held=False) + 1
     tree.check()
     tree.dec_lock_ref(mid)
-    tree.dec_hold_ref(node, pin=True)
-    assert tree.evictable_size(pinned=False) == tree.evictable_size() == 3
+    tree.dec_hold_ref(node)
+    assert tree.evictable_size(held=False) == tree.evictable_size() == 3
     tree.check()

@@ -7,7 +7,7 @@ request reads back exactly its own tokens through its page tables, with residual
 by its own adapter wherever the policy keys the residual (or merged base) by adapter. Under
 `forkkv` requests may fan out (write other agents' residuals: tagged with the agent whose
 namespace they go to), followers take over pages a request in flight inserts, and waiting
-requests and sessions hold (pin) prefixes.
+requests and sessions hold prefixes.
 
 FORKJAX_HYPOTHESIS_SCALE=10 runs ten times more examples (the CI default keeps this under ~1 min).
 """
@@ -141,10 +141,10 @@ class CacheMachine(RuleBasedStateMachine):
                           h.res.cached_len if h.res else 0)
         self._step(req, tokens)
 
-    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS), pin=st.booleans())
-    def hold(self, data, adapter, pin):
+    @rule(data=st.data(), adapter=st.sampled_from(ADAPTERS))
+    def hold(self, data, adapter):
         tokens = self._tokens(data)
-        hold = self.cache.hold(tokens, adapter, pin=pin)
+        hold = self.cache.hold(tokens, adapter)
         assert hold.lengths == self.cache.match_lengths(tokens, adapter)
         self.holds.append(hold)
 

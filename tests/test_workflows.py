@@ -173,7 +173,7 @@ def test_bench_smoke_every_policy(tmp_path, pattern):
     rows = _bench().main([*SMOKE, "--pattern", pattern, "--out", str(tmp_path)])
     by = {}
     for policy in ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout"):
-        with open(tmp_path / f"{policy}-2" / "results.json") as f:
+        with open(tmp_path / f"{policy.replace('+', '-')}-2" / "results.json") as f:
             r = by[policy] = json.load(f)
         assert KEYS <= r.keys() and r["policy"] == policy and r["workflows"] == 2 and r["pattern"] == pattern
         assert r["tasks_per_s"] > 0 and r["tokens_per_s"] > 0 and r["per_agent_kv_bytes"] > 0

@@ -95,9 +95,9 @@ class DualRadixCache:
     def match_lengths(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list[int]:
         return [length for _, length, _ in self.match_all(tokens, adapter_key, fanout_keys)]
 
-    def hold(self, tokens, adapter_key: Hashable = None, fanout_keys=(), *, pin: bool) -> PrefixHold:
+    def hold(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> PrefixHold:
         """A soft lock on the cached prefix of `tokens` (hold.py); `release()` it."""
-        return PrefixHold(self, tokens, adapter_key, fanout_keys, pin=pin)
+        return PrefixHold(self, tokens, adapter_key, fanout_keys)
 
     @property
     def versions(self) -> tuple[int, int]:
@@ -105,11 +105,17 @@ class DualRadixCache:
         return self.base_tree.version, self.res_tree.version if self.res_tree else 0
 
     def room(self) -> tuple[int, int]:
-        """(base, residual) pages that admission may give out: free ones and unpinned evictable
+        """(base, residual) pages that admission may give out: free ones and unheld evictable
         ones."""
         def pages(tree):
-            return tree.allocator.num_free + tree.evictable_size(pinned=False) if tree else 0
+            return tree.allocator.num_free + tree.evictable_size(held=False) if tree else 0
         return pages(self.base_tree), pages(self.res_tree)
+
+    def evict_unheld(self, pages: tuple[int, int]) -> None:
+        """Make (base, residual) pages free now, from unheld LRU leaves only."""
+        for tree, n in ((self.base_tree, pages[0]), (self.res_tree, pages[1])):
+            if tree is not None and n > tree.allocator.num_free:
+                tree.evict(n - tree.allocator.num_free, held=False)
 
     def _count_hits(self, handle: SeqCache):
         self.prompt_tokens += handle.prompt_len

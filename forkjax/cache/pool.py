@@ -93,10 +93,11 @@ class PoolLayout(NamedTuple):
 def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None) -> KVPools:
     """Scatter one layer's new tokens into the pools (pure; call it inside the jitted step).
 
-    layer: int or traced int32 scalar. base_slots, res_slots: [T] int32 flat slots page·S + offset,
-    0 where the token must not be written (cached already, padding, or no residual): those writes
-    land in the sink page. k, v: [T, Hkv, D]. xa_k, xa_v: [T, R] or None to leave the residual pool
-    untouched (policies without one).
+    layer: int or traced int32 scalar. base_slots: [T] int32 flat slots page·S + offset, 0 where
+    the token must not be written (cached already, padding, or no residual): those writes land in
+    the sink page. k, v: [T, Hkv, D]. xa_k, xa_v: [T, R] with res_slots [T], or [T, J, R] with
+    res_slots [T, J] (a token's own residual row, then other agents' under residual fan-out), or
+    None to leave the residual pool untouched (policies without one).
     """
     S = pools.base_k.shape[3]
     page, off = base_slots // S, base_slots % S
@@ -105,25 +106,12 @@ def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v
     base_v = pools.base_v.at[layer, :, page, off].set(v.astype(pools.base_v.dtype))
     res_k, res_v = pools.res_k, pools.res_v
     if xa_k is not None:
-        rpage, roff = res_slots // S, res_slots % S
-        res_k = res_k.at[layer, rpage, roff].set(xa_k.astype(res_k.dtype))  # [T, R]
-        res_v = res_v.at[layer, rpage, roff].set(xa_v.astype(res_v.dtype))
+        flat = res_slots.reshape(-1)
+        rpage, roff = flat // S, flat % S
+        r = xa_k.shape[-1]
+        res_k = res_k.at[layer, rpage, roff].set(xa_k.reshape(-1, r).astype(res_k.dtype))  # [T·J, R]
+        res_v = res_v.at[layer, rpage, roff].set(xa_v.reshape(-1, r).astype(res_v.dtype))
     return KVPools(base_k, base_v, res_k, res_v)
-
-
-def write_fanout(pools: KVPools, layer, fan_slots, xa_k, xa_v) -> KVPools:
-    """Scatter every token's xA of other adapters into their residual slots (pure).
-
-    fan_slots: [T, N] int32 flat residual slot of token t for adapter slot j, 0 (the sink) where
-    it is not written. xa_k, xa_v: [T, N, R] every slot's x·A_k, x·A_v of the token.
-    """
-    S = pools.res_k.shape[2]
-    flat = fan_slots.reshape(-1)
-    page, off = flat // S, flat % S
-    r = xa_k.shape[-1]
-    res_k = pools.res_k.at[layer, page, off].set(xa_k.reshape(-1, r).astype(pools.res_k.dtype))
-    res_v = pools.res_v.at[layer, page, off].set(xa_v.reshape(-1, r).astype(pools.res_v.dtype))
-    return pools._replace(res_k=res_k, res_v=res_v)
 
 
 def copy_pages(pools: KVPools, base_src, base_dst, res_src, res_dst) -> KVPools:

@@ -21,9 +21,9 @@ LRU eviction pops unlocked leaves from a heap keyed by (held, last access); stal
 node was touched, locked, held, grew children or was evicted since) are skipped when popped.
 
 Holds are soft locks: held pages are evicted only after every unheld one (`evict(...,
-held=True)`). The engine holds the pages of a session that ran recently, and a waiting request
-*pins* the prefix it will hit: a pin is a hold that admission also respects, counting only
-unpinned evictable pages (`evictable_size(pinned=False)`) as room for other requests.
+held=True)`), and admission counts only unheld evictable pages as room for other requests
+(`evictable_size(held=False)`). A waiting request holds the prefix it will hit, the engine the
+pages of a session that ran recently (hold.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ _EMPTY = np.zeros(0, np.int32)
 
 class TreeNode:
     __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "hold_ref",
-                 "pin_ref", "last_access", "shares_first", "alive")
+                 "last_access", "shares_first", "alive")
 
     def __init__(self, key, pages, start, parent, ns, shares_first=False):
         self.key = key  # [n] int32 token ids of this edge
@@ -53,7 +53,6 @@ class TreeNode:
         self.ns = ns
         self.lock_ref = 0
         self.hold_ref = 0  # soft locks: evicted after unheld leaves
-        self.pin_ref = 0  # the holds that are pins
         self.last_access = 0
         self.shares_first = shares_first  # pages[0] is the parent's last page
         self.alive = True
@@ -89,7 +88,7 @@ class RadixTree:
         self.roots: dict[Hashable, TreeNode] = {}
         self.ns_pages: dict[Hashable, int] = defaultdict(int)  # owned pages per namespace
         self._evictable = 0
-        self._pinned = 0  # of the evictable pages, those of pinned nodes
+        self._held = 0  # of the evictable pages, those of held nodes
         self._protected = 0
         self.version = 0  # changes whenever a match could find something else (insert, evict)
         self.evicted_pages = 0  # pages freed by eviction, ever
@@ -190,7 +189,7 @@ class RadixTree:
         upper = TreeNode(child.key[:n], child.pages[: -(-cut // S) - child.start // S], child.start,
                          child.parent, child.ns, child.shares_first)
         upper.lock_ref = child.lock_ref
-        upper.hold_ref, upper.pin_ref = child.hold_ref, child.pin_ref
+        upper.hold_ref = child.hold_ref
         upper.last_access = child.last_access
         upper.children = {int(child.key[n]): child}
         child.parent.children[int(child.key[0])] = upper
@@ -211,7 +210,7 @@ class RadixTree:
         while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= node.own_pages
-                self._pinned -= node.own_pages if node.pin_ref else 0
+                self._held -= node.own_pages if node.hold_ref else 0
                 self._protected += node.own_pages
             node.lock_ref += 1
             node = node.parent
@@ -223,44 +222,38 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable += node.own_pages
-                self._pinned += node.own_pages if node.pin_ref else 0
+                self._held += node.own_pages if node.hold_ref else 0
                 self._protected -= node.own_pages
                 if not node.children:
                     self._push(node)
             node = node.parent
 
-    def inc_hold_ref(self, node: TreeNode, pin: bool = False) -> None:
-        """Hold (or pin) node and its ancestors: evicted only after every unheld leaf."""
+    def inc_hold_ref(self, node: TreeNode) -> None:
+        """Hold node and its ancestors: evicted only after every unheld leaf."""
         while node.parent is not None:
-            unlocked = node.alive and node.lock_ref == 0
-            if pin:
-                if node.pin_ref == 0 and unlocked:
-                    self._pinned += node.own_pages
-                node.pin_ref += 1
             node.hold_ref += 1
-            if node.hold_ref == 1 and unlocked and not node.children:
-                self._push(node)  # its heap entry moves to the held tier
+            if node.hold_ref == 1 and node.alive and node.lock_ref == 0:
+                self._held += node.own_pages
+                if not node.children:
+                    self._push(node)  # its heap entry moves to the held tier
             node = node.parent
 
-    def dec_hold_ref(self, node: TreeNode, pin: bool = False) -> None:
-        """Undo one `inc_hold_ref(node, pin)`; the node may have been evicted meanwhile (held
-        pages go when nothing else is left), its ancestors are still counted."""
+    def dec_hold_ref(self, node: TreeNode) -> None:
+        """Undo one `inc_hold_ref(node)`; the node may have been evicted meanwhile (held pages
+        go when nothing else is left), its ancestors are still counted."""
         while node.parent is not None:
-            if node.hold_ref <= 0 or (pin and node.pin_ref <= 0):
-                raise ValueError("dec_hold_ref on a node without that hold")
-            unlocked = node.alive and node.lock_ref == 0
-            if pin:
-                node.pin_ref -= 1
-                if node.pin_ref == 0 and unlocked:
-                    self._pinned -= node.own_pages
+            if node.hold_ref <= 0:
+                raise ValueError("dec_hold_ref on a node without holds")
             node.hold_ref -= 1
-            if node.hold_ref == 0 and unlocked and not node.children:
-                self._push(node)
+            if node.hold_ref == 0 and node.alive and node.lock_ref == 0:
+                self._held -= node.own_pages
+                if not node.children:
+                    self._push(node)
             node = node.parent
 
-    def evictable_size(self, pinned: bool = True) -> int:
-        """Pages of unlocked nodes; `pinned=False`: of those, the unpinned ones only."""
-        return self._evictable if pinned else self._evictable - self._pinned
+    def evictable_size(self, held: bool = True) -> int:
+        """Pages of unlocked nodes; `held=False`: of those, the unheld ones only."""
+        return self._evictable if held else self._evictable - self._held
 
     def protected_size(self) -> int:
         return self._protected
@@ -286,7 +279,7 @@ class RadixTree:
         self.allocator.dec_ref(node.pages)  # a shared first page survives in the parent
         own = node.own_pages
         self._evictable -= own
-        self._pinned -= own if node.pin_ref else 0
+        self._held -= own if node.hold_ref else 0
         self.ns_pages[node.ns] -= own
         self.version += 1
         parent = node.parent
@@ -331,7 +324,7 @@ class RadixTree:
     def check(self) -> np.ndarray:
         """Assert the structural invariants; returns holders [num_pages]: nodes listing each page."""
         S = self.page_size
-        evictable = pinned = protected = count = 0
+        evictable = held = protected = count = 0
         ns_pages: dict = defaultdict(int)
         all_pages = [_EMPTY]
         for node in self._nodes():
@@ -345,19 +338,16 @@ class RadixTree:
             if node.shares_first:
                 assert node.start % S and node.pages[0] == parent.pages[-1], "bad shared page"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock not on path"
-            for ref in ("hold_ref", "pin_ref"):
-                assert getattr(node, ref) >= sum(getattr(c, ref) for c in node.children.values()), \
-                    f"{ref} not on path"
-            assert node.hold_ref >= node.pin_ref
+            assert node.hold_ref >= sum(c.hold_ref for c in node.children.values()), "hold not on path"
             if node.lock_ref:
                 protected += node.own_pages
             else:
                 evictable += node.own_pages
-                pinned += node.own_pages if node.pin_ref else 0
+                held += node.own_pages if node.hold_ref else 0
             ns_pages[node.ns] += node.own_pages
             all_pages.append(node.pages)
         assert count == self._num_nodes
-        assert (evictable, pinned, protected) == (self._evictable, self._pinned, self._protected), \
+        assert (evictable, held, protected) == (self._evictable, self._held, self._protected), \
             "size counters drifted"
         assert {k: v for k, v in ns_pages.items() if v} == {k: v for k, v in self.ns_pages.items() if v}
         return np.bincount(np.concatenate(all_pages), minlength=self.allocator.num_pages)

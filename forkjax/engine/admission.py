@@ -2,24 +2,28 @@
 
 `lpm` (the default; SGLang's longest-prefix-match policy, and more):
 
-* every waiting request pins the cached prefix it would reuse (`PrefixHold`), so admitting others
-  never evicts it, and its match is kept fresh as the trees change;
+* every waiting request holds the cached prefix it would reuse (`PrefixHold`), and a workflow
+  (`session_id`) whose request just ended holds what it left in the trees for a while, so
+  admitting others does not evict either, and a request's match is kept fresh as the trees change;
 * candidates go in order of the tokens they would reuse (full hits, then base hits, pages that a
   running request in flight will insert for them included), then of arrival;
 * a request needs the pages it will allocate itself: its prompt and `min(max_new_tokens,
   DECODE_CLIP)` generated tokens, less its hits and less the pages in flight for it. It is
-  admitted when that fits in the room (free pages and unpinned evictable ones) less what the
-  running requests still need by the same count. Under pressure fewer requests run, and the
-  pages of those waiting stay cached, instead of running more and recomputing evicted prefixes;
+  admitted when that fits in the room (free pages and unheld evictable ones) less what the
+  running requests still need by the same count;
+* under pressure the older workflow wins (a request's age is its session's, else its own): when
+  no candidate fits, the oldest one may take the pages held for younger workflows and requests,
+  which are evicted for it. So the engine runs fewer workflows at a time, each with its cache,
+  instead of all of them with caches that evict each other (ReAct's N agents take turns: by
+  recency alone every turn evicts the pages the next turn of another workflow needs);
 * starvation: a request that has waited `max_wait_s` becomes urgent. Urgent requests go first,
-  in arrival order, and one that does not fit stops admission until it does, counting pinned
-  pages as room once nothing else runs. So no request waits longer than `max_wait_s` plus the
-  time the requests running then take to finish.
+  in arrival order, and one that does not fit stops admission until it does. So no request waits
+  longer than `max_wait_s` plus the time the requests running then take to finish.
 
 `fifo` (the engine's earlier policy, kept for comparison): arrival order, the head of the queue
-blocks the rest, a request needs its prompt's pages beyond its hits, nothing is pinned.
+blocks the rest, a request needs its prompt's pages beyond its hits, nothing is held.
 
-With nothing running, a candidate that fits in the whole pool is always admitted: pins never
+With nothing running, a candidate that fits in the whole pool is always admitted: holds never
 deadlock the engine.
 """
 
@@ -47,7 +51,7 @@ class Admission:
         self.S = cache.page_size
 
     @property
-    def pins(self) -> bool:
+    def holds(self) -> bool:
         return self.policy == "lpm"
 
     def target_len(self, seq: Sequence) -> int:
@@ -61,9 +65,8 @@ class Admission:
 
     def on_wait(self, seq: Sequence) -> None:
         """A request joined the queue (new, or preempted)."""
-        if self.pins:
-            seq.hold = self.cache.hold(seq.tokens, seq.adapter_key, list(seq.fanout.values()),
-                                       pin=True)
+        if self.holds:
+            seq.hold = self.cache.hold(seq.tokens, seq.adapter_key, list(seq.fanout.values()))
 
     def on_leave(self, seq: Sequence) -> None:
         """A request left the queue (admitted, finished or aborted)."""

@@ -365,7 +365,7 @@ class Engine:
     def flush_cache(self) -> int:
         """Evict every unlocked page of both trees (running requests keep theirs); returns
         the pages freed."""
-        self.scheduler.release_sessions()
+        self.scheduler.sessions.release_all()
         return self.cache.flush()
 
 

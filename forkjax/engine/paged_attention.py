@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from forkjax import pallas_kernels as pk
-from forkjax.cache import write_fanout, write_kv
+from forkjax.cache import write_kv
 from forkjax.models.attention import QKV
 from forkjax.pallas_kernels import kv_write, mgpu_decode, mgpu_operands
 
@@ -42,10 +43,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     b_k, b_v = qkv.b("k_proj"), qkv.b("v_proj")
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
-    write = _kv_writer(use_pallas, pools)
-    if m.fan_slots is not None:  # other agents' residuals x·A_j, from this token's x
-        pools = write_fanout(pools, layer, m.fan_slots, qkv.all_slots_xa("k_proj"),
-                             qkv.all_slots_xa("v_proj"))
+    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots)
     if kind == "decode" and residual and use_pallas and _fused_decode(qkv, pools):
         # one Triton kernel from the q|k|v GEMM's output to the Mosaic kernel's operands and
         # the K/V to write (was ~8 XLA kernels and `query_operands`)
@@ -90,6 +88,21 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         out = ops["uni_extend"](q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths,
                                 m.chunk_lengths, layer=layer, **extra)
     return out.reshape(t, hq, hd), pools
+
+
+def _with_fanout(write, qkv: QKV, fan_slots):
+    """Residual fan-out: the K/V write also stores every token's x·A_j of the adapter slots j in
+    `fan_slots` [T, N] (0: not written), beside its own residual, in the same kernel."""
+    if fan_slots is None:
+        return write
+
+    def write_all(pools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None):
+        res_slots = jnp.concatenate([res_slots[:, None], fan_slots], axis=1)  # [T, 1 + N]
+        xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), qkv.all_slots_xa(part)],
+                                      axis=1)  # [T, 1 + N, R]
+                      for own, part in ((xa_k, "k_proj"), (xa_v, "v_proj")))
+        return write(pools, layer, base_slots, res_slots, k, v, xa_k, xa_v)
+    return write_all
 
 
 def _fused_decode(qkv: QKV, pools) -> bool:

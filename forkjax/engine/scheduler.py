@@ -7,7 +7,7 @@ of work wait they alternate, so a long prompt being prefilled chunk by chunk nev
 running requests for more than one step.
 
 Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
-(`SeqCache.reserve`, evicting unpinned LRU leaves first), and a prefill chunk's whole pages enter
+(`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
 the trees when its step is done (`Engine._postprocess`), so requests admitted together share what
 the first of them computes (inflight.py). A running request that cannot get a page preempts the
 most recently admitted one (its pages go back, it is recomputed later, its tokens so far kept).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 
 import numpy as np
 
@@ -27,11 +26,7 @@ from forkjax.engine.admission import Admission
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.inflight import InflightPages, page_hashes
 from forkjax.engine.sequence import Sequence, Status
-
-# Seconds a session's last request keeps its pages held (evicted after others) when the session
-# sends nothing new: long enough for a tool call.
-SESSION_TTL_S = 30.0
-
+from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 
 @dataclasses.dataclass
 class ScheduledBatch:
@@ -59,8 +54,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.admission = Admission(cache, schedule_policy, max_wait_s)
         self.inflight = InflightPages()
-        self.session_ttl_s = session_ttl_s
-        self.sessions: dict[str, tuple] = {}  # session id -> (PrefixHold, expiry)
+        self.sessions = Sessions(cache, hold=self.admission.holds, ttl_s=session_ttl_s)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"
@@ -83,8 +77,8 @@ class Scheduler:
                 raise ValueError(f"request needs {pages} pages of {self.cache.page_size} tokens plus one "
                                  f"spare page, but the whole {pool} pool holds {cap}: raise "
                                  f"kv_cache_bytes")
-        if seq.session_id is not None and seq.session_id in self.sessions:
-            self.sessions.pop(seq.session_id)[0].release()  # the new request pins what it reuses
+        if seq.session_id is not None:
+            seq.priority = self.sessions.added(seq.session_id, seq.adapter_key, seq.arrival)
         seq.key_ns = self._namespaces(seq)
         self._wait(seq)
 
@@ -95,7 +89,7 @@ class Scheduler:
     def schedule(self, allow_preempt: bool = True) -> ScheduledBatch | None:
         """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
-        self._expire_sessions()
+        self.sessions.expire()
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill and not self._last_in_flight(s)]
@@ -128,7 +122,7 @@ class Scheduler:
     def _admit(self):
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return
-        room = None
+        room, blocked = None, []
         for seq in self.admission.order(self.waiting, self._inflight_pages):
             if len(self.running) >= self.max_batch_size:
                 return
@@ -137,23 +131,49 @@ class Scheduler:
                 if room is None:
                     room = self._room()
                 fits = need[0] <= room[0] and need[1] <= room[1]
-            else:  # nothing else will free pages: pins give way
+            else:  # nothing else will free pages: holds give way
                 fits = True
             if fits:
                 self._start(seq)
                 if room is not None:
                     room = (room[0] - need[0], room[1] - need[1])
-            elif self.admission.is_urgent(seq):
-                return  # it goes first: nobody overtakes it while it waits for room
+                continue
+            blocked.append((seq, need))
+            if self.admission.is_urgent(seq):
+                break  # it goes first: nobody overtakes it while it waits for room
+        if blocked and self.running and self.admission.holds:
+            seq, need = min(blocked, key=lambda t: (t[0].priority, t[0].id))
+            if self._take_younger_holds(seq, need):
+                self._start(seq)
 
     def _room(self) -> tuple[int, int]:
         """Pages admission may still give out: the cache's room less what running requests
         will still allocate."""
-        base, res = self.cache.room()
-        for seq in self.running:
-            b, r = self._outstanding(seq)
-            base, res = base - b, res - r
-        return base, res
+        (base, res), (b, r) = self.cache.room(), self._outstanding_total()
+        return base - b, res - r
+
+    def _outstanding_total(self) -> tuple[int, int]:
+        needs = [self._outstanding(seq) for seq in self.running]
+        return sum(n[0] for n in needs), sum(n[1] for n in needs)
+
+    def _take_younger_holds(self, seq: Sequence, need: tuple[int, int]) -> bool:
+        """Release the holds of workflows and requests younger than `seq`, youngest first,
+        until its need fits, and evict what it needs now (else the holds would come back);
+        True if it fits. If it cannot fit, the holds are taken again."""
+        younger = self.sessions.holds_younger_than(seq.priority)
+        younger += [(w.priority, w.hold) for w in self.waiting
+                    if w is not seq and w.hold is not None and w.priority > seq.priority]
+        younger.sort(key=lambda t: -t[0])
+        for _, hold in younger:
+            hold.release()
+            room = self._room()
+            if need[0] <= room[0] and need[1] <= room[1]:
+                out = self._outstanding_total()
+                self.cache.evict_unheld((need[0] + out[0], need[1] + out[1]))
+                return True
+        for _, hold in younger:
+            hold.refresh()
+        return False
 
     def _outstanding(self, seq: Sequence) -> tuple[int, int]:
         """Pages a running request will still allocate (beyond those in flight for it)."""
@@ -336,33 +356,15 @@ class Scheduler:
             if error is None:
                 seq.cache.commit(tokens)
             self._release(seq)
-            if error is None and seq.session_id is not None and self.admission.pins:
-                self._hold_session(seq.session_id, seq, tokens)
+            if seq.session_id is not None:
+                self.sessions.ended(seq.session_id, seq.adapter_key, tokens if error is None else None,
+                                    list(seq.fanout.values()))
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.admission.on_leave(seq)
+            if seq.session_id is not None:
+                self.sessions.ended(seq.session_id, seq.adapter_key)
         seq.finish(reason, error)
-
-    def _hold_session(self, session_id: str, seq: Sequence, tokens):
-        old = self.sessions.pop(session_id, None)
-        if old is not None:
-            old[0].release()
-        hold = self.cache.hold(tokens, seq.adapter_key, list(seq.fanout.values()), pin=False)
-        self.sessions[session_id] = (hold, time.monotonic() + self.session_ttl_s)
-
-    def _expire_sessions(self):
-        if not self.sessions:
-            return
-        now = time.monotonic()
-        for sid, (hold, expiry) in list(self.sessions.items()):
-            if expiry <= now:
-                hold.release()
-                del self.sessions[sid]
-
-    def release_sessions(self):
-        for hold, _ in self.sessions.values():
-            hold.release()
-        self.sessions.clear()
 
 
 def _merge(a, b):

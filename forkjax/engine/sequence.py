@@ -57,6 +57,7 @@ class Sequence:
         self.session_id = session_id  # a workflow's requests share one: its pages outlive a tool call
         self.fanout = fanout or {}  # {adapter slot: adapter key} whose residuals this one writes
         self.arrival = time.monotonic()
+        self.priority = self.arrival  # its workflow's age under pressure (admission.py)
         self.hold = None  # PrefixHold while waiting (cache-aware admission)
         self.page_hashes: list[int] = []  # chain hashes of whole pages of `tokens` (inflight.py)
         self.key_ns: list = []  # (pool, namespace) of each pool it uses (scheduler.py)

@@ -8,7 +8,9 @@ into every pool; the pools are aliased inputs and outputs, so nothing else is co
 addresses the pools by coordinates, so pools of over 2^31 elements are fine.
 
     pools   base [L, Hkv, P, S, D], residual [L, Pr, S, R] (forkjax.cache.pool)
-    slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written
+    slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written;
+            residual slots [T] or [T, J]: J residual rows a token, its own and, with residual
+            fan-out, other agents' (x·A_j), all in the same kernel
 
 The engine's Pallas path uses it on a GPU wherever `supports` holds (B=64 decode 11.11 against
 11.23 ms with XLA's scatters: BENCHMARKS.md, twelfth session).
@@ -26,20 +28,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forkjax.cache.pool import KVPools
 
 
-def _kernel(layer_ref, base_slots_ref, res_slots_ref, *refs, page: int, n: int):
-    """refs: n row arrays ([T, Hkv, D] k, v, then [T, R] xa_k, xa_v), the n pools they go to,
-    then scratch: a shared-memory buffer per row array and the barrier of its copies."""
-    rows, pools, (*smem, landed) = refs[:n], refs[n:2 * n], refs[2 * n:]
+def _kernel(layer_ref, base_slots_ref, res_slots_ref, *refs, page: int, n: int, n_pools: int):
+    """refs: n row arrays ([T, Hkv, D] k, v, then [T, R] xa_k, xa_v of each of the J residual
+    columns), the pools (base K, V, residual K, V), then scratch: a shared-memory buffer per row
+    array (each its own, so every copy starts aligned) and the barrier of their copies."""
+    rows, pools, (*smem, landed) = refs[:n], refs[n:n + n_pools], refs[n + n_pools:]
     t = lax.axis_index("t")
     layer = layer_ref[0]
     for row, buf in zip(rows, smem):  # token t's rows into shared memory...
         plgpu.copy_gmem_to_smem(row.at[t], buf, landed)
     plgpu.barrier_wait(landed)
-    slot_refs = (base_slots_ref, base_slots_ref, res_slots_ref, res_slots_ref)
-    for buf, pool, slots in zip(smem, pools, slot_refs):  # ...and out to their pool slots
-        where = (slots[t] // page, slots[t] % page)
-        plgpu.copy_smem_to_gmem(buf, pool.at[(layer, slice(None)) + where if pool.ndim == 5
-                                             else (layer,) + where])
+    for i, buf in enumerate(smem):  # ...and out to their pool slots
+        if i < 2:
+            slot = base_slots_ref[t]
+            plgpu.copy_smem_to_gmem(buf, pools[i].at[layer, :, slot // page, slot % page])
+        else:
+            slot = res_slots_ref[t, (i - 2) // 2]
+            plgpu.copy_smem_to_gmem(buf, pools[2 + i % 2].at[layer, slot // page, slot % page])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -53,29 +58,35 @@ def kv_write(
     pools: KVPools,  # base [L, Hkv, P, S, D], residual [L, Pr, S, R]; donated, written in place
     layer,  # int32 scalar
     base_slots,  # [T] int32 page * S + offset; 0: the sink (do not write)
-    res_slots,  # [T] int32
+    res_slots,  # [T] or [T, J] int32
     k,  # [T, Hkv, D]
     v,  # [T, Hkv, D]
-    xa_k=None,  # [T, R], or None: the residual pools are left as they are
-    xa_v=None,  # [T, R]
+    xa_k=None,  # [T, R] or [T, J, R], or None: the residual pools are left as they are
+    xa_v=None,  # like xa_k
     *,
     interpret: bool = False,
 ) -> KVPools:
     """`write_kv`'s contract (forkjax.cache.pool), one kernel."""
     residual = xa_k is not None
     targets = tuple(pools) if residual else tuple(pools[:2])
-    rows = (k, v, xa_k, xa_v) if residual else (k, v)
-    rows = tuple(r.astype(p.dtype) for r, p in zip(rows, targets))
+    rows = [k.astype(pools.base_k.dtype), v.astype(pools.base_v.dtype)]
+    res_slots = res_slots.astype(jnp.int32)
+    if residual:
+        if xa_k.ndim == 2:  # one residual row a token
+            xa_k, xa_v, res_slots = xa_k[:, None], xa_v[:, None], res_slots[:, None]
+        for j in range(xa_k.shape[1]):
+            rows += [xa_k[:, j].astype(pools.res_k.dtype), xa_v[:, j].astype(pools.res_v.dtype)]
     n = len(rows)
     refs = [jax.new_ref(p) for p in targets]  # written in place: aliased kernel operands
     plgpu.kernel(
-        functools.partial(_kernel, page=pools.base_k.shape[3], n=n), out_type=(),
+        functools.partial(_kernel, page=pools.base_k.shape[3], n=n, n_pools=len(refs)),
+        out_type=(),
         scratch_types=[plgpu.SMEM(r.shape[1:], r.dtype) for r in rows]
         + [plgpu.Barrier(num_arrivals=n)],
         grid=(k.shape[0],), grid_names=("t",),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), base_slots.astype(jnp.int32),
-      res_slots.astype(jnp.int32), *rows, *refs)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), base_slots.astype(jnp.int32), res_slots,
+      *rows, *refs)
     written = [r[...] for r in refs]
     return KVPools(*written) if residual else KVPools(*written, pools.res_k, pools.res_v)
 
