@@ -10,7 +10,7 @@ Admission (admission.py) decides who runs; pages are reserved chunk by chunk as 
 (`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
 the trees when its step is done (`Engine._postprocess`), so requests admitted together share what
 the first of them computes (inflight.py). A running request that cannot get a page preempts the
-most recently admitted one (its pages go back, it is recomputed later, its tokens so far kept).
+one of the youngest workflow (its pages go back, it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
 """
 
@@ -323,8 +323,10 @@ class Scheduler:
         return ScheduledBatch(kind, seqs, chunks, base, res)
 
     def _preempt_one(self, protect: Sequence):
-        """Free the most recently admitted running request (`protect` itself as a last resort)."""
-        victim = next((s for s in reversed(self.running) if s is not protect), protect)
+        """Free the running request of the youngest workflow (admission.py: the older workflow
+        wins), `protect` itself as a last resort."""
+        others = [s for s in self.running if s is not protect]
+        victim = max(others, key=lambda s: (s.priority, s.id)) if others else protect
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.num_computed = Status.WAITING, 0
