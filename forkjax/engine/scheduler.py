@@ -60,6 +60,7 @@ class Scheduler:
         self._last_kind = "decode"
         self.num_preemptions = 0
         self.prefill_tokens_computed = 0
+        self._failed_take = None  # the admission state in which taking younger holds last failed
 
     def add(self, seq: Sequence):
         """Queue a request, or raise ValueError at once if it can never be served."""
@@ -143,8 +144,13 @@ class Scheduler:
                 break  # it goes first: nobody overtakes it while it waits for room
         if blocked and self.running and self.admission.holds:
             seq, need = min(blocked, key=lambda t: (t[0].priority, t[0].id))
-            if self._take_younger_holds(seq, need):
-                self._start(seq)
+            state = (seq.id, need, self.cache.versions, len(self.running),
+                     self.cache.base_tree.allocator.num_free)
+            if state != self._failed_take:  # nothing changed since it last failed: skip
+                if self._take_younger_holds(seq, need):
+                    self._start(seq)
+                else:
+                    self._failed_take = state
 
     def _room(self) -> tuple[int, int]:
         """Pages admission may still give out: the cache's room less what running requests
