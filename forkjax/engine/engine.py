@@ -25,6 +25,7 @@ from forkjax.engine.buckets import Buckets
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
 from forkjax.engine.model_runner import Launched, ModelRunner
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
+from forkjax.engine.requests import fanout_targets, prompt_ids
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
@@ -150,12 +151,12 @@ class Engine:
         while after each of its requests ends, so the next turn finds them. `fanout_adapters`
         (`forkkv`): the agents whose residuals this request writes too; None follows the
         engine's `residual_fanout` (every loaded adapter, or none), [] none."""
-        ids = self._prompt_ids(prompt)
+        ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
         slot = self.slots.slot_of(adapter)
-        key = self._key(adapter)
+        key = self.slots.key_of(adapter)
         if session_id is not None and not isinstance(session_id, str):
             raise ValueError(f"session_id={session_id!r}: expected a string")
-        fanout = self._fanout(key, fanout_adapters)
+        fanout = fanout_targets(self.slots, self.config, key, fanout_adapters)
         params = params or SamplingParams()
         if not params.ignore_eos:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
@@ -164,27 +165,6 @@ class Engine:
                        fanout=fanout)
         self.scheduler.add(seq)
         return seq
-
-    def _key(self, adapter: str | None):
-        return None if adapter is None else self.slots.by_name[adapter][1].content_hash
-
-    def _fanout(self, own_key, names) -> dict:
-        """{adapter slot: adapter key} of the residuals a request fans out to."""
-        if names is None:
-            names = list(self.slots.by_name) if self.config.residual_fanout else []
-        elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
-        names = list(names)
-        if names and self.config.cache_policy != "forkkv":
-            raise ValueError(f"residual fan-out needs cache_policy='forkkv', not "
-                             f"{self.config.cache_policy!r}")
-        out, keys = {}, {own_key}
-        for name in names:
-            slot, key = self.slots.slot_of(name), self._key(name)  # KeyError for an unknown one
-            if key not in keys:  # the same weights under two names share one residual
-                keys.add(key)
-                out[slot] = key
-        return out
 
     def abort(self, seq: Sequence):
         if seq.status is not Status.FINISHED:
@@ -317,24 +297,6 @@ class Engine:
             self.abort(seq)
             raise
         return np.concatenate(seq.prompt_logits, axis=0).astype(np.float32)
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; this model has none: pass token ids")
-            prompt = self.tokenizer.encode(prompt)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError("a prompt must be a string or a list of token ids") from None
-        if not ids:
-            raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model_cfg.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_model_len}")
-        return ids
 
     def stats(self) -> dict:
         """DESIGN.md §3's keys and more; counters run from start-up or the last reset_stats()."""

@@ -39,27 +39,52 @@ def page_hashes(tokens, page_size: int, known: list[int] | None = None) -> list[
 
 
 class InflightPages:
-    """{page key: id of the running request that will insert it}."""
+    """{page key: id of the running request that will insert it}, and what requests ask of it.
+    A request carries `page_hashes` (its tokens' chain hashes) and `key_ns` (the (pool,
+    namespace) of each pool it uses, base first: scheduler.py)."""
 
-    def __init__(self):
+    def __init__(self, page_size: int):
+        self.page_size = page_size
         self.owner: dict[PageKey, int] = {}
         self._owned: dict[int, list[tuple[int, PageKey]]] = {}  # request id -> (page, key)
 
-    def register(self, rid: int, keys: list[tuple[int, PageKey]]) -> None:
-        """Claim for request `rid` the (page index, key) pairs nobody owns yet."""
-        mine = self._owned.setdefault(rid, [])
-        for page, key in keys:
-            if key not in self.owner:
-                self.owner[key] = rid
-                mine.append((page, key))
+    def register(self, seq, start: int, end: int) -> None:
+        """Claim for `seq` the whole prompt pages in positions [start, end) nobody claimed."""
+        S = self.page_size
+        last = min(len(seq.page_hashes), len(seq.prompt) // S, end // S)
+        mine = self._owned.setdefault(seq.id, [])
+        for j in range(start // S, last):
+            for pool, ns in seq.key_ns:
+                key = (pool, ns, seq.page_hashes[j])
+                if key not in self.owner:
+                    self.owner[key] = seq.id
+                    mine.append((j, key))
 
-    def waits_for(self, rid: int, keys: list[PageKey]) -> int | None:
-        """The request that owns one of `keys` (other than `rid`), or None."""
-        for key in keys:
-            owner = self.owner.get(key)
-            if owner is not None and owner != rid:
-                return owner
-        return None
+    def pages_for(self, seq, pool: int, first: int) -> int:
+        """Consecutive prompt pages from page `first` on of `seq`'s pool number `pool` that
+        another request will insert."""
+        if not self.owner:
+            return 0
+        if not seq.page_hashes:
+            seq.page_hashes = page_hashes(seq.tokens, self.page_size)
+        kind, ns = seq.key_ns[pool]
+        count = 0
+        for j in range(first, min(len(seq.page_hashes), len(seq.prompt) // self.page_size)):
+            owner = self.owner.get((kind, ns, seq.page_hashes[j]))
+            if owner is None or owner == seq.id:
+                break
+            count += 1
+        return count
+
+    def wait_point(self, seq, start: int, end: int) -> int:
+        """First position in [start, end) of a page another request will insert, else end."""
+        S = self.page_size
+        for j in range(start // S, min(-(-end // S), len(seq.page_hashes), len(seq.prompt) // S)):
+            for pool, ns in seq.key_ns:
+                owner = self.owner.get((pool, ns, seq.page_hashes[j]))
+                if owner is not None and owner != seq.id:
+                    return max(j * S, start)
+        return end
 
     def inserted(self, rid: int, num_pages: int) -> None:
         """Request `rid` inserted its first `num_pages` pages: others take them from the tree."""

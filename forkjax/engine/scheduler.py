@@ -53,7 +53,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.admission = Admission(cache, schedule_policy, max_wait_s)
-        self.inflight = InflightPages()
+        self.inflight = InflightPages(cache.page_size)
         self.sessions = Sessions(cache, hold=self.admission.holds, ttl_s=session_ttl_s)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -124,10 +124,10 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return
         room, blocked = None, []
-        for seq in self.admission.order(self.waiting, self._inflight_pages):
+        for seq in self.admission.order(self.waiting, self.inflight.pages_for):
             if len(self.running) >= self.max_batch_size:
                 return
-            need = self.admission.need(seq, self._inflight_pages)
+            need = self.admission.need(seq, self.inflight.pages_for)
             if self.running:
                 if room is None:
                     room = self._room()
@@ -188,8 +188,8 @@ class Scheduler:
         if seq.in_prefill:  # a follower gets pages from its leader
             S = self.cache.page_size
             first = seq.num_computed // S
-            b -= self._inflight_pages(seq, 0, first)
-            r -= sum(self._inflight_pages(seq, i, first) for i in range(1, len(seq.key_ns)))
+            b -= self.inflight.pages_for(seq, 0, first)
+            r -= sum(self.inflight.pages_for(seq, i, first) for i in range(1, len(seq.key_ns)))
         return max(b, 0), max(r, 0)
 
     def _start(self, seq: Sequence):
@@ -201,7 +201,7 @@ class Scheduler:
         seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
         seq.pending_copies = ([], [])
         seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size, seq.page_hashes)
-        self._register(seq, seq.num_computed, len(seq.prompt))
+        self.inflight.register(seq, seq.num_computed, len(seq.prompt))
         self.running.append(seq)
 
     def _namespaces(self, seq: Sequence) -> list[tuple[str, object]]:
@@ -213,32 +213,7 @@ class Scheduler:
         out += [("res", policy.res_ns(key)) for key in seq.fanout.values()]
         return out
 
-    # ---- in-flight sharing ----------------------------------------------------------------
-
-    def _register(self, seq: Sequence, start: int, end: int):
-        """Claim the whole prompt pages in positions [start, end) that this request will
-        compute and nobody else claimed."""
-        S = self.cache.page_size
-        last = min(len(seq.page_hashes), len(seq.prompt) // S, end // S)
-        self.inflight.register(seq.id, [(j, (pool, ns, seq.page_hashes[j]))
-                                        for j in range(start // S, last) for pool, ns in seq.key_ns])
-
-    def _inflight_pages(self, seq: Sequence, i: int, first: int) -> int:
-        """Consecutive pages from page `first` on of the request's pool i (`key_ns` order) that
-        another running request will insert."""
-        if not self.inflight:
-            return 0
-        if not seq.page_hashes:
-            seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size)
-        hashes = seq.page_hashes
-        pool, ns = seq.key_ns[i]
-        count = 0
-        for j in range(first, min(len(hashes), len(seq.prompt) // self.cache.page_size)):
-            owner = self.inflight.owner.get((pool, ns, hashes[j]))
-            if owner is None or owner == seq.id:
-                break
-            count += 1
-        return count
+    # ---- in-flight sharing (inflight.py) ---------------------------------------------------
 
     def _catch_up(self, seq: Sequence):
         """Take over pages others inserted since this request last looked."""
@@ -258,16 +233,6 @@ class Scheduler:
         if dropped:
             seq.key_ns = self._namespaces(seq)
 
-    def _wait_point(self, seq: Sequence, start: int, end: int) -> int:
-        """First position in [start, end) of a page another request will insert, else end."""
-        S = self.cache.page_size
-        hashes = seq.page_hashes
-        for j in range(start // S, min(-(-end // S), len(hashes), len(seq.prompt) // S)):
-            keys = [(pool, ns, hashes[j]) for pool, ns in seq.key_ns]
-            if self.inflight.waits_for(seq.id, keys) is not None:
-                return max(j * S, start)
-        return end
-
     # ---- batches --------------------------------------------------------------------------
 
     def _extend_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
@@ -279,7 +244,7 @@ class Scheduler:
             if not seq.in_prefill:
                 continue  # now a full hit: its last token is computed by a decode step
             start = seq.num_computed
-            end = self._wait_point(seq, start, min(len(seq), start + budget))
+            end = self.inflight.wait_point(seq, start, min(len(seq), start + budget))
             if end <= start:
                 continue  # waits for another request's chunk
             longest = max([end - start] + [e - s for s, e in chunks])
@@ -287,7 +252,7 @@ class Scheduler:
                 break  # padding it in would exceed the compiled shapes: next step
             if not self._reserve(seq, end, allow_preempt):
                 continue
-            self._register(seq, start, end)  # a leader that left: this request leads now
+            self.inflight.register(seq, start, end)  # a leader that left: this one leads now
             chosen.append(seq)
             chunks.append((start, end))
             budget -= end - start

@@ -89,6 +89,10 @@ class AdapterSlots:
             raise KeyError(f"unknown adapter {name!r} (loaded: {sorted(self.by_name)})")
         return self.by_name[name][0]
 
+    def key_of(self, name: str | None):
+        """The adapter's cache identity (content hash; None for the bare base model)."""
+        return None if name is None else self.by_name[name][1].content_hash
+
     def assign(self, adapter: LoraAdapter) -> int:
         """Slot for `adapter`: its old slot when replacing a name, else a free one."""
         if adapter.name in self.by_name:

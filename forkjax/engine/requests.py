@@ -1,0 +1,46 @@
+"""Validation of what a request brings: its prompt and its fan-out group (ValueError or KeyError,
+naming what is wrong, before anything is queued)."""
+
+from __future__ import annotations
+
+from forkjax.config import EngineConfig
+from forkjax.lora.slots import AdapterSlots
+
+
+def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """A string (tokenized) or token ids -> token ids within the vocabulary and the context."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer; this model has none: pass token ids")
+        prompt = tokenizer.encode(prompt)
+    try:
+        ids = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise ValueError("a prompt must be a string or a list of token ids") from None
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if len(ids) > max_model_len:
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of {max_model_len}")
+    return ids
+
+
+def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names) -> dict:
+    """`fanout_adapters` -> {adapter slot: adapter key} of the residuals a request writes besides
+    its own: None follows `config.residual_fanout` (every loaded adapter, or none)."""
+    if names is None:
+        names = list(slots.by_name) if config.residual_fanout else []
+    elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
+    names = list(names)
+    if names and config.cache_policy != "forkkv":
+        raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {config.cache_policy!r}")
+    out, keys = {}, {own_key}
+    for name in names:
+        slot, key = slots.slot_of(name), slots.key_of(name)  # KeyError for an unknown one
+        if key not in keys:  # the same weights under two names share one residual
+            keys.add(key)
+            out[slot] = key
+    return out
