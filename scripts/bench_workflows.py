@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None, help="(engine default: 64 GPU, 16 CPU)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="threads compiling the warm-up's shapes (default: the host's cores)")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily (tests; compile_s then "
                    "excludes most compiles)")
     p.add_argument("--http", action="store_true", help="drive a local `forkjax.serve` app over HTTP "
@@ -218,7 +220,8 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         max_loras=len(names) + 1, residual_fanout=policy == "forkkv+fanout",
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
-        max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup, progress=True)
+        max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup, progress=True,
+        compile_workers=args.compile_workers)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
                         compile_breakdown=COMPILE_TIMES.since(before))
 

@@ -37,7 +37,8 @@ class Engine:
     def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
                  use_pallas: bool | None = None, warmup: bool = True, progress: bool = True,
-                 overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0):
+                 overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
+                 compile_workers: int | None = None):
         self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -70,7 +71,7 @@ class Engine:
         self.warmup_s = 0.0  # seconds spent compiling every shape at start
         if warmup:
             t = time.perf_counter()
-            self.runner.warmup(progress)
+            self.runner.warmup(progress, compile_workers)
             self.warmup_s = time.perf_counter() - t
 
     @classmethod
@@ -90,7 +91,8 @@ class Engine:
         pool (default: one residual copy per base token per adapter loaded here, at least one).
         `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo".
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress,
-        overlap, max_wait_s) go to the constructor."""
+        overlap, max_wait_s, compile_workers: threads of the warm-up's compiles, default the
+        host's cores) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras,
