@@ -42,24 +42,27 @@ class PoolSeq:
         self.pages = hit_pages  # [num reserved pages] int32, the page table
         self.own_from = len(hit_pages)
         self.node = node
-        self.num_allocated = 0  # pages this request allocated (private when allocated)
         tree.inc_lock_ref(node)
 
     @property
     def private_pages(self) -> np.ndarray:
         return self.pages[self.own_from :]
 
-    def reserve(self, num_tokens: int) -> list[tuple[int, int]]:
-        """Make positions [0, num_tokens) writable; returns copy-on-write (src, dst) page pairs."""
+    def to_allocate(self, num_tokens: int) -> tuple[int, int]:
+        """(new pages, copy-on-write pages) that `reserve(num_tokens)` allocates."""
         S = self.page_size
         cow = num_tokens > self.cached_len and self.cached_len % S != 0 and self.own_from > self.cached_len // S
-        grow = max(0, -(-num_tokens // S) - len(self.pages))
+        return max(0, -(-num_tokens // S) - len(self.pages)), int(cow)
+
+    def reserve(self, num_tokens: int) -> list[tuple[int, int]]:
+        """Make positions [0, num_tokens) writable; returns copy-on-write (src, dst) page pairs."""
+        grow, cow = self.to_allocate(num_tokens)
         if not (cow or grow):
             return []
         new = self._alloc(grow + cow)
         copies = []
         if cow:
-            j = self.cached_len // S
+            j = self.cached_len // self.page_size
             copies.append((int(self.pages[j]), int(new[0])))
             self.pages[j] = new[0]  # our own array: match_prefix / path_pages return fresh ones
             self.own_from = j
@@ -75,7 +78,6 @@ class PoolSeq:
             pages = alloc.alloc(n)
             if pages is None:
                 raise OutOfPages(self.name, n, alloc.num_free)
-        self.num_allocated += n
         return pages
 
     def extend_hit(self, tokens: np.ndarray) -> int:
@@ -226,16 +228,8 @@ class SeqCache:
     def pages_needed(self, num_tokens: int) -> tuple[int, int]:
         """(base, residual) pages `reserve(num_tokens)` would still allocate, copy-on-write
         pages included."""
-        def need(pool: PoolSeq) -> int:
-            cow = (num_tokens > pool.cached_len and pool.cached_len % pool.page_size != 0
-                   and pool.own_from > pool.cached_len // pool.page_size)
-            return max(0, -(-num_tokens // pool.page_size) - len(pool.pages)) + cow
-        return need(self.base), sum(need(p) for p in self.pools[1:])
-
-    @property
-    def pages_allocated(self) -> tuple[int, int]:
-        """(base, residual) pages this request has allocated so far."""
-        return self.base.num_allocated, sum(p.num_allocated for p in self.pools[1:])
+        return (sum(self.base.to_allocate(num_tokens)),
+                sum(sum(p.to_allocate(num_tokens)) for p in self.pools[1:]))
 
     def slot_mapping(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(base_slots [end-start], res_slots [end-start]) int32 for positions [start, end).

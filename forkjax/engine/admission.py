@@ -32,8 +32,8 @@ from __future__ import annotations
 import time
 
 from forkjax.cache import DualRadixCache
-from forkjax.config import SCHEDULE_POLICIES
 from forkjax.engine.sequence import Sequence
+
 # Generated tokens a request is assumed to need pages for (SGLang's CLIP_MAX_NEW_TOKENS): a
 # request asking for the whole context must not hold the pool up front.
 DECODE_CLIP = 4096
@@ -45,8 +45,7 @@ def _pages(tokens: int, page_size: int) -> int:
 
 class Admission:
     def __init__(self, cache: DualRadixCache, policy: str = "lpm", max_wait_s: float = 60.0):
-        if policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy={policy!r}: expected one of {SCHEDULE_POLICIES}")
+        """policy: "lpm" | "fifo" (checked by EngineConfig)."""
         self.cache, self.policy, self.max_wait_s = cache, policy, max_wait_s
         self.S = cache.page_size
 
@@ -86,11 +85,10 @@ class Admission:
         first page) -> pages from there on that another running request will insert."""
         if self.policy == "fifo":
             return list(waiting)
-        now = time.monotonic()
-        urgent = [s for s in waiting if now - s.arrival >= self.max_wait_s]
-        rest = []
+        urgent, rest = [], []
         for seq in waiting:
-            if now - seq.arrival >= self.max_wait_s:
+            if self.is_urgent(seq):
+                urgent.append(seq)
                 continue
             lens = self.hits(seq)
             reuse = [max(n, (n // self.S + inflight_pages(seq, i, n // self.S)) * self.S)

@@ -58,7 +58,6 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
                                    schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s)
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
-                                  max_model_len=self.max_model_len,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
                                   fanout=cfg.residual_fanout)
         self._decode_steps = self._decode_seqs = 0

@@ -5,8 +5,9 @@ at start; page tables are as wide as the bucket of the batch's longest request.
 Anything compiled after warm-up logs a warning: it means a shape escaped the buckets.
 
 Residual fan-out adds one input, the residual slots of every adapter slot for every token
-(`PagedMeta.fan_slots`), and its scatter: an engine with `residual_fanout` runs (and compiles)
-only programs with it; otherwise a batch runs them only when one of its requests fans out.
+(`PagedMeta.fan_slots`), written by the K/V write: an engine with `residual_fanout` runs (and
+compiles) only programs with it; otherwise a batch runs them only when one of its requests fans
+out.
 """
 
 from __future__ import annotations
@@ -126,11 +127,10 @@ def _sample_padded(rows, sampling: SamplingArrays, size: int):
 
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
-                 max_model_len: int, use_pallas: bool, fanout: bool = False):
+                 use_pallas: bool, fanout: bool = False):
         self.layout = layout
         self.buckets = buckets
         self.num_slots = num_slots
-        self.max_pages = -(-max_model_len // layout.page_size)
         self.residual = layout.policy.uses_residual
         self.fanout = fanout
         self.use_pallas = use_pallas
