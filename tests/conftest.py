@@ -12,9 +12,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-# The Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA executions block
-# on each other's barriers; dispatched asynchronously they queue behind blocked ones. Inline,
-# each execution runs on its own thread (see also `isolated` in test_mgpu_decode.py).
+# The Mosaic GPU interpreter runs each warpgroup of a kernel as a thread whose XLA execution
+# blocks in callbacks on the others' barriers. XLA's CPU runtime hands a callback to a thread of
+# its intra-op pool ("XLAEigen"), sized by the host's cores (2 here): two blocked callbacks held
+# it whole and the other warpgroups' executions queued behind them forever. PJRT_NPROC sizes the
+# pool; it is read when the CPU client is made, so before any test touches a device.
+os.environ.setdefault("PJRT_NPROC", "16")
+# Executions run on their caller's thread rather than queue on that pool: the interpreted Mosaic
+# GPU tests run in half the time.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 

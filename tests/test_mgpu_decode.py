@@ -4,12 +4,6 @@ layouts, tilings and TMA limits; lowering for CUDA, which works on a CPU-only ja
 (test_mgpu_lowers_for_cuda)."""
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,76 +19,6 @@ from test_mgpu_operands import lower_for_h200
 from test_residual_attention import decode_case, np_attention, rel_err
 
 INTERPRET = jax.default_backend() != "gpu"
-_CHILD = "FORKJAX_MGPU_TEST_CHILD"
-# A deadlocked child sits at ~0 % CPU; a running one uses a core or shares one with the other
-# xdist worker. So a hang is told by CPU time, not wall time (slow is not hung): under 1 s of CPU
-# in 30 s. A case takes 10-40 s alone.
-STALL_S, STALL_CPU_S, POLL_S = 30, 1.0, 2
-TRIES = 8  # at 1 hang in 16, eight in a row: ~2e-10
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # after the command name
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _run_child(cmd, env) -> tuple[int, str] | None:
-    """Run cmd -> (return code, output), or None once it has stalled (then it is killed)."""
-    with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(cmd, cwd=pathlib.Path(__file__).parents[1], env=env, stdout=out,
-                             stderr=subprocess.STDOUT, text=True)
-        samples = []  # CPU seconds, one per poll
-        while p.poll() is None:
-            time.sleep(POLL_S)
-            try:
-                samples.append(_cpu_seconds(p.pid))
-            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
-                continue
-            window = STALL_S // POLL_S
-            if len(samples) > window and samples[-1] - samples[-1 - window] < STALL_CPU_S:
-                p.kill()
-                p.wait()
-                return None
-        out.seek(0)
-        return p.returncode, out.read()
-
-
-def isolated(test):
-    """Interpreted, run the test in a child pytest process, again if that one deadlocks.
-
-    JAX 0.11.2's Mosaic GPU interpreter runs each warpgroup as a Python thread whose XLA
-    executions block in callbacks on each other's barriers, under a callback of the kernel's
-    own execution that waits for them all. It hung at ~0 % CPU in 3 of 4 runs of this file
-    (faulthandler: one thread in a barrier wait, three inside XLA executions); never on the GPU.
-    Our reading: blocked callbacks hold threads of XLA's CPU intra-op pool (2 here). Without
-    the pool (`--xla_cpu_multi_thread_eigen=false`, given to the child only: the rest of the
-    suite runs slower with it) 4 of 5 runs passed, in 45-54 s instead of ~3.5 min; the fifth
-    still hung, and a fresh-clone suite once saw one case hang twice in a row, another one case
-    four times. The executions also queue on the CPU client's dispatch threads: run inline
-    (`JAX_CPU_ENABLE_ASYNC_DISPATCH=false`, the child only), that case hung in 1 of 16 runs of
-    its child alone (23-28 s each otherwise), against 2 of 6 without. So a hang costs a child
-    process, not the suite; a failure in the child fails the test, and so do TRIES hangs."""
-    if not INTERPRET or os.environ.get(_CHILD):
-        return test
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
-        env = {**os.environ, _CHILD: "1", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
-               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false").strip()}
-        for _ in range(TRIES):
-            result = _run_child(cmd, env)
-            if result is not None:
-                code, output = result
-                assert code == 0, output[-6000:]
-                return
-        pytest.fail(f"{node}: the interpreter deadlocked {TRIES} times")
-
-    return run
 
 
 def layered(pool):
@@ -107,7 +31,6 @@ def layered(pool):
     ([200, 16, 513], 8, 128, 1, 4, 2, True),
     ([70, 300], 4, 128, 2, 3, 1, False),
 ])
-@isolated
 def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, layers):
     c = decode_case(21, lengths, group=group, d=d, dtype=jnp.bfloat16)
     kb, vb = (layered(c.k_base), layered(c.v_base)) if layers else (c.k_base, c.v_base)
@@ -127,11 +50,8 @@ def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, lay
     ([700, 90], 1, 128, 32, 3, 3, 1, False, None),
     ([300, 90, 1], 12, 64, 16, 1, 3, 1, False, None),  # G = 12: the XLA operands and epilogue
     ([700, 90, 1], 4, 64, 16, 3, 3, 1, False, 5),
-    # 3 stages on the GPU; interpreted, with fewer CTAs than items this shape deadlocked at 3
-    # in every run (0 % CPU, the hang `isolated` describes), never at 2
-    ([700, 90, 1], 1, 128, 32, 3, 2 if INTERPRET else 3, 1, False, 5),
+    ([700, 90, 1], 1, 128, 32, 3, 3, 1, False, 5),
 ])
-@isolated
 def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers, layers, ctas):
     """Mixed adapters (one v-only), NaN-poisoned unused slots and pages, bf16; splits that get
     no key block (k_splits None here gives 3 for the 64-long and 1-long sequences too); fewer
@@ -149,7 +69,6 @@ def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers,
     assert err < 2e-2, err
 
 
-@isolated
 def test_mgpu_residual_decode_from_operands():
     """(qx, W) built by the caller, as the engine's `decode_operands` builds them, for q."""
     c = decode_case(25, [200, 16, 513], group=4, d=128, r=16, dtype=jnp.bfloat16)
