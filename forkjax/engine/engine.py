@@ -26,7 +26,7 @@ from forkjax.engine.loading import load_model_and_adapters, read_adapters
 from forkjax.engine.model_runner import Launched, ModelRunner
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.requests import fanout_targets, prompt_ids
-from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.engine.sequence import NonFiniteError, SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
 
@@ -223,16 +223,24 @@ class Engine:
             return []
         launched, self._inflight = self._inflight, None
         t0 = time.perf_counter()
-        tokens, logits = self.runner.fetch(launched)
+        tokens, finite, logits = self.runner.fetch(launched)
         t1 = time.perf_counter()
-        self._postprocess(launched.batch, tokens, logits)
+        self._postprocess(launched.batch, tokens, finite, logits)
         self._time("device_s", t1 - t0)
         self._time("postprocess_s", time.perf_counter() - t1)
         return launched.batch.seqs
 
-    def _postprocess(self, batch, tokens, logits):
-        for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
-            if seq.score and seq.status is Status.RUNNING:
+    def _postprocess(self, batch, tokens, finite, logits):
+        for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+            if seq.status is not Status.RUNNING:
+                continue
+            if not finite[i]:  # before anything of this step enters the trees
+                self.scheduler.finish(seq, "error", NonFiniteError(
+                    f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
+                    f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
+                continue
+            seq.num_verified = end
+            if seq.score:
                 seq.prompt_logits.append(logits[i])
                 if end == len(seq):
                     self.scheduler.finish(seq, "length")

@@ -53,6 +53,7 @@ class Launched:
     batch: ScheduledBatch
     tokens: jax.Array  # [max_batch] int32 sampled token of request i in row i
     logits: jax.Array | None  # [b * c, vocab] float32 with all_logits
+    finite: jax.Array  # [b] bool: request i's step computed only finite values
     chunk: int  # c: rows per request
 
 
@@ -79,7 +80,11 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     """One forward of a bucketed batch; the pools are donated and come back updated.
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
-    [B, vocab] float32, every row's logits [T, vocab] float32 or None), pools)."""
+    [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool), pools).
+
+    finite[i]: request i's rows of the last hidden state and its sampled logits are all finite.
+    A NaN or inf anywhere upstream (a K, V or LoRA term of any layer) reaches the residual stream
+    of its token or of a later one, so the host keeps a chunk out of the trees unless it holds."""
     model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, state_leaves))
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
@@ -89,7 +94,11 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     h, pools, _ = model(tokens, batch, attn, pools)
     logits = model.logits(h) if all_logits else None
     rows = logits[inputs.sample_rows] if all_logits else model.logits(h[inputs.sample_rows])
-    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits), pools
+    b = inputs.sample_rows.shape[0]
+    valid = jnp.arange(h.shape[0] // b)[None, :] < inputs.meta.chunk_lengths[:, None]  # [B, c]
+    finite = jnp.all(jnp.isfinite(h).all(-1).reshape(b, -1) | ~valid, axis=1)
+    finite &= jnp.isfinite(rows).all(-1)
+    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite), pools
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
@@ -203,25 +212,25 @@ class ModelRunner:
         fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
         inputs, sampling = self._inputs(batch, b, c, w, fanout)
         t1 = time.perf_counter()
-        (tokens, rows, logits), self.pools = self._call(
+        (tokens, rows, logits, finite), self.pools = self._call(
             batch.kind, all_logits, inputs, (batch.kind, b, c, w, all_logits, fanout))
         if np.any(sampling.temperature > 0):
             tokens = _sample_padded(rows, sampling, len(tokens))
         self.prev_tokens = tokens
         t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
         self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
-        return Launched(batch, self.prev_tokens, logits, c)
+        return Launched(batch, self.prev_tokens, logits, finite, c)
 
     @staticmethod
     def fetch(launched: Launched):
-        """Wait for a launched batch -> (tokens [n] int32, per request [chunk, vocab] float32
-        logits or None)."""
-        batch, c = launched.batch, launched.chunk
-        tokens = np.asarray(launched.tokens)[:len(batch.seqs)]
+        """Wait for a launched batch -> (tokens [n] int32, finite [n] bool, per request
+        [chunk, vocab] float32 logits or None)."""
+        batch, c, n = launched.batch, launched.chunk, len(launched.batch.seqs)
+        tokens, finite = np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n]
         if launched.logits is None:
-            return tokens, None
+            return tokens, finite, None
         out = np.asarray(launched.logits)
-        return tokens, [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
+        return tokens, finite, [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
 
     def _note_shape(self, key):
         if key not in self._compiled:

@@ -300,7 +300,7 @@ class Scheduler:
         victim = max(others, key=lambda s: (s.priority, s.id)) if others else protect
         self.running.remove(victim)
         self._release(victim)
-        victim.status, victim.num_computed = Status.WAITING, 0
+        victim.status, victim.num_computed, victim.num_verified = Status.WAITING, 0, 0
         victim.prompt_logits.clear()
         self._wait(victim, front=True)
         self.num_preemptions += 1
@@ -322,10 +322,11 @@ class Scheduler:
         self.inflight.inserted(seq.id, end // self.cache.page_size)
 
     def finish(self, seq: Sequence, reason: str, error: Exception | None = None):
-        """End a request: insert its cached tokens into the trees and free its private pages."""
+        """End a request: insert its verified tokens into the trees (none after an error) and
+        free its private pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            tokens = np.asarray(seq.tokens[: seq.num_computed], np.int32)
+            tokens = np.asarray(seq.tokens[: seq.num_verified], np.int32)
             if error is None:
                 seq.cache.commit(tokens)
             self._release(seq)

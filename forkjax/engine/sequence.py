@@ -15,6 +15,11 @@ _ids = itertools.count()
 PENDING = -1
 
 
+class NonFiniteError(RuntimeError):
+    """A request's step computed a NaN or inf: the request ends with it and what it computed
+    stays out of the cache (the rest of the batch is unaffected: slots never mix)."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,6 +71,9 @@ class Sequence:
         self.status = Status.WAITING
         self.cache = None  # SeqCache while running
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
+        # leading tokens computed by steps whose results were read and found finite: what a
+        # finish may insert into the trees (with overlap a step still in flight is unchecked)
+        self.num_verified = 0
         self.admitted = False  # admitted once already (a preempted request is not recounted)
         self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
         self.sample_row = 0  # row of its token in the last launched step's sampled output

@@ -2,10 +2,11 @@
 
 The batch's tokens are laid out so that all tokens of adapter slot 0 come first, then slot 1, ...
 (`group_sizes[s]` tokens for slot `s`; the host orders requests by slot when it builds a batch).
-Each half of LoRA is one dense GEMM against all N slots side by side, with a one-hot mask of each
-token's slot: shrink x [T, d_in] @ A^T (A [N·R, d_in]; the model appends A to its projection's
-weight, so this GEMM is the projection's) and zero all but the token's own R columns; expand
-multiplies that [T, N·R] row by B [N·R, d_out].
+Each half of LoRA is one dense GEMM against all N slots side by side: shrink x [T, d_in] @ A^T
+(A [N·R, d_in]; the model appends A to its projection's weight, so this GEMM is the projection's)
+and keep only the token's own R columns, selected, not multiplied by a 0/1 mask (another slot's
+xA may be inf or NaN, and 0 × inf is NaN: a token's output depends on its own slot's weights
+alone); expand multiplies that [T, N·R] row, exact zeros outside the slot, by B [N·R, d_out].
 
 Why not `jax.lax.ragged_dot` (the grouped GEMM): measured on the H200 (BENCHMARKS.md, "Grouped
 multi-LoRA matmul"), XLA's GPU lowering costs about N× the single-group time, slower than the
@@ -27,12 +28,6 @@ import jax
 import jax.numpy as jnp
 
 
-def _slot_mask(group_sizes, num_tokens: int, dtype):
-    """[N] group sizes -> [T, N] one-hot slot of every token (padding rows all zero)."""
-    return jax.nn.one_hot(slots_from_group_sizes(group_sizes, num_tokens), group_sizes.shape[0],
-                          dtype=dtype)
-
-
 def lora_shrink(x, a, group_sizes, precision=None):
     """x [T, d_in] · a [N, R, d_in] grouped by `group_sizes` [N] int32 -> slot rows [T, N, R].
 
@@ -47,10 +42,11 @@ def lora_shrink(x, a, group_sizes, precision=None):
 def slot_rows(xa, group_sizes):
     """xa [T, ..., N, R] (every slot's xA) -> the same with zeros outside each token's own slot:
     the rows `lora_expand` multiplies by all N B's at once. `own_slot` reads xA [T, ..., R] back.
-
-    A one-hot product in xa's dtype: exact (a dot with the mask would round f32 to TF32)."""
-    mask = _slot_mask(group_sizes, xa.shape[0], xa.dtype)
-    return xa * mask.reshape(mask.shape[:1] + (1,) * (xa.ndim - 3) + mask.shape[1:] + (1,))
+    Padding rows are all zeros; xa [T, ..., 1, R] (one slot's xA) is broadcast to the N slots."""
+    n = group_sizes.shape[0]
+    own = slots_from_group_sizes(group_sizes, xa.shape[0])[:, None] == jnp.arange(n)  # [T, N]
+    own = own.reshape(own.shape[:1] + (1,) * (xa.ndim - 3) + (n, 1))
+    return jnp.where(own, xa, jnp.zeros((), xa.dtype))
 
 
 def own_slot(rows):

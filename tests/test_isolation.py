@@ -1,0 +1,85 @@
+"""Adapter isolation: a slot's weights reach only its own tokens, non-finite weights are refused,
+and a request that computes NaN or inf ends with an error and caches nothing of it."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import forkjax
+from conftest import SMALL
+from forkjax.config import ModelConfig
+from forkjax.engine.sequence import NonFiniteError, SamplingParams
+from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+
+TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+GOOD = {f"a{i}": random_adapter(f"a{i}", TINY, 8, 1.0, ATTN, seed=i) for i in range(2)}
+
+
+def _poisoned(name, value, where=(1, "v_proj", 1)):
+    """GOOD["a0"]'s weights under `name` with one entry of `where` (layer, module, A=0/B=1)."""
+    weights = {k: (a.copy(), b.copy()) for k, (a, b) in GOOD["a0"].weights.items()}
+    layer, module, ab = where
+    weights[(layer, module)][ab][3, 2] = value
+    return dataclasses.replace(GOOD["a0"], name=name, weights=weights)
+
+
+def _overflowing(name):
+    """Finite weights whose products overflow float32: every xA is +-inf."""
+    weights = {k: (np.full_like(a, 3e38), b) for k, (a, b) in GOOD["a1"].weights.items()}
+    return dataclasses.replace(GOOD["a1"], name=name, weights=weights)
+
+
+def _prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+
+
+def _engine(policy, adapters):
+    return forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, dtype="float32",
+                                          cache_policy=policy, **SMALL)
+
+
+def _run(engine, prompts, names, max_new_tokens=6):
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    seqs = [engine.add_request(p, n, params) for p, n in zip(prompts, names)]
+    while engine.scheduler.has_work:
+        engine.step()
+    engine.cache.check()
+    return seqs
+
+
+PROMPTS = [_prompt(i, n) for i, n in enumerate((40, 150, 90))]
+NAMES = ["a0", "a1", None]
+
+
+def test_non_finite_adapters_are_refused_and_change_nothing():
+    engine = _engine("forkkv", GOOD)
+    before = [s.output for s in _run(engine, PROMPTS, NAMES)]
+    for value in (np.nan, -np.inf):
+        with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.v_proj\.lora_B\.weight has 1 non"):
+            engine.load_adapter("bad", _poisoned("bad", value))
+        assert "bad" not in engine.slots.by_name
+    engine.flush_cache()
+    assert [s.output for s in _run(engine, PROMPTS, NAMES)] == before
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.lora_A\.weight"):
+        _engine("prefix", {"bad": _poisoned("bad", np.inf, (0, "q_proj", 0))})
+
+
+@pytest.mark.parametrize("policy", ["prefix", "forkkv"])
+def test_an_overflowing_adapter_changes_no_other_request_and_caches_nothing(policy):
+    """Batched with other agents, the overflowing adapter's request fails alone; the others'
+    greedy outputs are those of a run without it, and later requests on its prompt hit nothing
+    it computed (a base hit would read NaN under forkkv)."""
+    huge_prompt = _prompt(9, 300)  # three prefill chunks
+    with_huge = _engine(policy, {**GOOD, "huge": _overflowing("huge")})
+    seqs = _run(with_huge, PROMPTS + [huge_prompt], NAMES + ["huge"])
+    assert isinstance(seqs[-1].error, NonFiniteError) and seqs[-1].finish_reason == "error"
+    alone = _engine(policy, GOOD)
+    assert [s.output for s in seqs[:-1]] == [s.output for s in _run(alone, PROMPTS, NAMES)]
+    with_huge.reset_stats()
+    later = _run(with_huge, [huge_prompt], ["a0"])[0]
+    assert with_huge.stats()["base_hit_tokens"] == 0
+    assert later.output == _run(alone, [huge_prompt], ["a0"])[0].output
+    with pytest.raises(NonFiniteError, match="NaN or inf"):
+        with_huge.generate([huge_prompt], "huge", max_new_tokens=2)
