@@ -1,6 +1,9 @@
 """forkjax: many LoRA agents on one base model, sharing the KV cache of their common prefix."""
 
-__all__ = ["Engine"]
+from importlib import metadata
+
+__all__ = ["Engine", "__version__"]
+__version__ = metadata.version("forkjax")  # pyproject.toml's
 
 
 def __getattr__(name):

@@ -24,10 +24,13 @@ The HTTP layer is in forkjax/server/; this file parses flags, builds the engine 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 
 import jax
 import uvicorn
@@ -108,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $FORKJAX_API_KEY)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY,
                    help="largest request body accepted (8M)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive, else 408 (%(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or SIGINT, seconds running requests get to finish before the "
+                        "rest are aborted (%(default)s)")
     p.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/forkjax/jax"),
                    help="XLA programs kept across restarts (%(default)s; '' disables; "
                         "$JAX_COMPILATION_CACHE_DIR wins)")
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None):
     loop = EngineLoop(engine)
     name = args.served_model_name or display_path(args.model)
     app = create_app(loop, model_name=name, model_root=display_path(args.model), api_key=args.api_key,
-                     max_body_bytes=args.max_request_bytes, max_lora_rank=engine.max_lora_rank)
+                     max_body_bytes=args.max_request_bytes, body_timeout_s=args.body_timeout,
+                     max_lora_rank=engine.max_lora_rank)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"forkjax: warning: serving on {args.host} without --api-key: anyone who can reach it "
               "can use it and load adapters from this machine's files", file=sys.stderr)
@@ -151,24 +160,45 @@ def main(argv: list[str] | None = None):
               f"{url}/v1" + (" (API key required)" if args.api_key else ""), flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     server = ReadyServer(config, ready)
     loop.start()
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
-        pass
     finally:
-        loop.shutdown()
-    print("forkjax: stopped", file=sys.stderr)
+        loop.shutdown()  # aborts what the drain left running
+    print("forkjax: stopped", file=sys.stderr, flush=True)
 
 
 class ReadyServer(uvicorn.Server):
-    """uvicorn that says once, with the bound port, when it accepts requests."""
+    """uvicorn that says once, with the bound port, when it accepts requests, and stops on
+    SIGTERM as on SIGINT: it stops accepting, lets running requests finish for up to
+    `timeout_graceful_shutdown` seconds, cancels the rest, and returns (exit status 0)."""
 
     def __init__(self, config: uvicorn.Config, ready):
         super().__init__(config)
         self._ready = ready
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            print(f"forkjax: {signal.Signals(sig).name}: stopping; running requests get "
+                  f"{self.config.timeout_graceful_shutdown:g} s to finish", file=sys.stderr,
+                  flush=True)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, without raising the signal again once stopped (that exits 143 on
+        SIGTERM): a drained stop is a clean exit."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets=None):
         await super().startup(sockets)

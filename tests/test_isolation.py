@@ -83,3 +83,24 @@ def test_an_overflowing_adapter_changes_no_other_request_and_caches_nothing(poli
     assert later.output == _run(alone, [huge_prompt], ["a0"])[0].output
     with pytest.raises(NonFiniteError, match="NaN or inf"):
         with_huge.generate([huge_prompt], "huge", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("policy,names", [("forkkv", ["a0", "a1"]), ("prefix", ["a0", "a0"])])
+def test_cache_salt_blocks_sharing_across_salts_and_allows_it_within_one(policy, names):
+    engine = _engine(policy, GOOD)
+    prompt = _prompt(5, 96)  # 6 whole pages
+
+    def hits(adapter, salt):
+        engine.reset_stats()
+        engine.generate([prompt + [7]], adapter, max_new_tokens=2, cache_salt=salt)
+        s = engine.stats()
+        return s["base_hit_tokens"], s["residual_hit_tokens"]
+
+    assert hits(names[0], "tenant-a") == (0, 0)
+    assert hits(names[1], "tenant-b") == (0, 0)  # another salt: nothing shared
+    assert hits(names[1], None) == (0, 0)  # nor without one
+    assert hits(names[1], "tenant-a")[0] == 96  # the same salt: the base is shared
+    if policy == "forkkv":  # a residual only with its own agent within that salt
+        assert hits("a0", "tenant-a") == (96, 96) and hits("a0", "tenant-b") == (96, 0)
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, "a0", cache_salt="")

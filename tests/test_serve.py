@@ -16,17 +16,21 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
+
+import forkjax
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
@@ -36,7 +40,8 @@ DEMO = ("planner", "coder", "critic")
 CONTEXT = 1024
 SERVER_ARGS = ["--dtype", "float32", "--cache-policy", "prefix", "--max-batch-size", "8",
                "--max-prefill-tokens", "128", "--max-model-len", str(CONTEXT), "--kv-cache-bytes", "2M",
-               "--api-key", KEY, "--max-request-bytes", "1M", "--host", "127.0.0.1", "--port", "0"]
+               "--api-key", KEY, "--max-request-bytes", "1M", "--body-timeout", "5", "--host", "127.0.0.1",
+               "--port", "0"]
 STARTUP_S = 420  # a cold compile cache on 2 busy cores
 
 
@@ -93,11 +98,11 @@ def _serve(tmp_path_factory, args: list[str]):
             time.sleep(0.2)
         yield Server(m[1], log)
         assert proc.poll() is None, f"the server died:\n{log.read_text()[-4000:]}"
+        proc.terminate()  # SIGTERM: a drained stop, exit status 0
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        assert "forkjax: SIGTERM: stopping" in log.read_text() and "forkjax: stopped" in log.read_text()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 
@@ -144,6 +149,81 @@ def test_health_and_models(server):
     assert set(models) == {BASE, *DEMO}
     assert all(models[a].model_extra["parent"] == BASE for a in DEMO)
     assert models[BASE].model_extra["max_model_len"] == CONTEXT
+
+
+def test_model_tokenize_detokenize_and_version(server):
+    with server.http() as http:
+        assert http.get(f"/v1/models/{DEMO[1]}").json()["parent"] == BASE
+        assert http.get(f"/v1/models/{BASE}").json()["max_model_len"] == CONTEXT
+        missing = http.get("/v1/models/nobody")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        r = http.post("/tokenize", json={"model": "coder", "prompt": "héllo"}).json()
+        assert r == {"count": 7, "max_model_len": CONTEXT, "tokens": [256, *"héllo".encode()]}
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        sent = complete(http, model=BASE, prompt=chat["tokens"], max_tokens=1, return_token_ids=True)
+        assert sent["usage"]["prompt_tokens"] == chat["count"] > 3
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo"}
+        assert http.post("/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+        assert http.post("/tokenize", json={"model": "nobody", "prompt": "x"}).status_code == 404
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(f"{server.url}/version").json()["version"] == forkjax.__version__
+
+
+def test_stalled_body_gets_408_while_others_are_served(server):
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
+                     "\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mod".encode())
+        t0 = time.time()
+        with server.http() as http:  # served while the other body stalls
+            complete(http, model="coder", prompt="meanwhile", max_tokens=2)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        waited = time.time() - t0
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"connection: close" in reply.lower() and b"did not arrive within 5 s" in reply
+        assert 4 <= waited < 20, waited
+        assert sock.recv(4096) == b""  # closed
+
+
+def test_a_request_that_computes_nan_fails_alone(server, tmp_path):
+    """An adapter whose finite weights overflow: its request gets a 500 error body, the others
+    are served, and the server keeps serving."""
+    path = write_peft(tmp_path / "huge")
+    tensors = {k: np.full_like(v, 3e38) if "lora_A" in k else v
+               for k, v in load_file(str(path / "adapter_model.safetensors")).items()}
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with server.http() as http:
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "huge", "lora_path": str(path)}
+                         ).status_code == 200
+        try:
+            before = complete(http, model="planner", prompt="steady", max_tokens=4)
+            r = http.post("/v1/completions", json={"model": "huge", "prompt": "boom", "max_tokens": 4})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert "NaN or inf" in r.json()["error"]["message"]
+            assert complete(http, model="planner", prompt="steady", max_tokens=4) == {
+                **before, "id": ANY, "created": ANY}
+        finally:
+            http.post("/v1/unload_lora_adapter", json={"lora_name": "huge"})
+
+
+def test_cache_salt_separates_tenants(server):
+    computed = "forkjax:prefill_tokens_computed_total"
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 250, 64)]
+    with server.http() as http:
+        def cost(salt):
+            before = server.metrics()[computed]
+            complete(http, model="critic", prompt=prompt, max_tokens=1, cache_salt=salt)
+            return server.metrics()[computed] - before
+        assert cost("tenant-a") == 64
+        assert cost("tenant-b") == 64  # nothing of tenant-a's is read
+        assert cost("tenant-a") < 64  # its own cache is
+        bad = http.post("/v1/completions", json={"model": "critic", "prompt": "x", "cache_salt": ""})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
 def test_completions_select_the_adapter(server):
@@ -300,7 +380,7 @@ def test_unload_waits_for_running_requests_and_others_keep_flowing(server, tmp_p
 
 
 @pytest.mark.parametrize("case", ["missing", "no_config", "bad_json", "corrupt", "pickled",
-                                  "other_base", "rank_too_big", "not_lora"])
+                                  "other_base", "rank_too_big", "not_lora", "nan"])
 def test_bad_adapter_dirs_are_refused(server, tmp_path, case):
     path = tmp_path / case
     marker = tmp_path / "unpickled"
@@ -325,6 +405,11 @@ def test_bad_adapter_dirs_are_refused(server, tmp_path, case):
     elif case == "not_lora":
         write_peft(path)
         (path / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING", "r": 8}))
+    elif case == "nan":
+        write_peft(path)
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        tensors["base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"][1, 5] = np.nan
+        save_file(tensors, str(path / "adapter_model.safetensors"))
     with server.http() as http:
         before = http.get("/v1/models").json()["data"]
         r = http.post("/v1/load_lora_adapter", json={"lora_name": f"bad-{case}", "lora_path": str(path)})
@@ -333,7 +418,8 @@ def test_bad_adapter_dirs_are_refused(server, tmp_path, case):
         assert error["type"] == "invalid_request_error" and error["param"] == "lora_path"
         expect = {"missing": "not a directory", "no_config": "adapter_config.json", "bad_json": "JSON",
                   "corrupt": "safetensors", "pickled": "pickle", "other_base": "another model",
-                  "rank_too_big": "rank", "not_lora": "peft_type"}[case]
+                  "rank_too_big": "rank", "not_lora": "peft_type",
+                  "nan": "layers.2.self_attn.q_proj.lora_A.weight has 1 non-finite"}[case]
         assert expect in error["message"], error["message"]
         assert http.get("/v1/models").json()["data"] == before
     assert not marker.exists()  # the pickle was never unpickled
@@ -585,6 +671,13 @@ def test_metrics_prometheus_format(server):
         assert key in after, key
     assert 0 < after['forkjax:prefix_cache_hit_rate{pool="base"}'] <= 1
     assert after['forkjax:kv_pages_used{pool="base"}'] > 0
+    for name, n in (("time_to_first_token", 1), ("inter_token_latency", 4), ("e2e_request_latency", 1),
+                    ("request_queue_time", 1)):  # one request of 5 tokens
+        key = f"forkjax:{name}_seconds"
+        assert after[key + "_count"] - before[key + "_count"] == n, name
+        cumulative = [v for k, v in after.items() if k.startswith(key + "_bucket")]
+        assert cumulative == sorted(cumulative) and cumulative[-1] == after[key + "_count"]
+        assert after[key + '_bucket{le="+Inf"}'] == after[key + "_count"] and after[key + "_sum"] >= 0
 
 
 # ---- fuzzing and the example ------------------------------------------------------------------

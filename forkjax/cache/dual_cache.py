@@ -9,7 +9,7 @@ import numpy as np
 
 from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.hold import PrefixHold
-from forkjax.cache.policy import SHARED, CachePolicy, get_policy
+from forkjax.cache.policy import SHARED, CachePolicy, get_policy, unsalted
 from forkjax.cache.pool import PoolLayout
 from forkjax.cache.radix_tree import RadixTree, TreeNode
 from forkjax.cache.seq_cache import PoolSeq, SeqCache
@@ -149,7 +149,7 @@ class DualRadixCache:
 
         agent_bytes[adapter]: bytes only that adapter can read (its namespaces in either tree plus
         its running requests' private pages); shared_bytes: bytes in SHARED namespaces. Together
-        they add up to base_bytes_used + residual_bytes_used.
+        they add up to base_bytes_used + residual_bytes_used. Salts are summed over.
         """
         base_alloc = self.base_tree.allocator
         res_used = self.res_tree.allocator.num_used if self.res_tree else 0
@@ -159,18 +159,20 @@ class DualRadixCache:
             if tree is None:
                 continue
             for ns, pages in tree.ns_pages.items():
-                if ns is SHARED:
+                if unsalted(ns) is SHARED:
                     shared += pages * page_bytes
                 elif pages:
-                    agent_bytes[ns] = agent_bytes.get(ns, 0) + pages * page_bytes
+                    agent_bytes[unsalted(ns)] = agent_bytes.get(unsalted(ns), 0) + pages * page_bytes
         for h in self._live:
             own = len(h.base.private_pages) * self.base_page_bytes
             own += len(h.res.private_pages) * self.res_page_bytes if h.res else 0
+            key = unsalted(h.adapter_key)
             if own:
-                agent_bytes[h.adapter_key] = agent_bytes.get(h.adapter_key, 0) + own
+                agent_bytes[key] = agent_bytes.get(key, 0) + own
             for pool in h.fanout.values():  # another agent's residual, written by this request
                 if len(pool.private_pages):
-                    agent_bytes[pool.ns] = agent_bytes.get(pool.ns, 0) + len(pool.private_pages) * self.res_page_bytes
+                    key = unsalted(pool.ns)
+                    agent_bytes[key] = agent_bytes.get(key, 0) + len(pool.private_pages) * self.res_page_bytes
         return {
             "base_pages_total": base_alloc.num_usable,
             "base_pages_used": base_alloc.num_used,

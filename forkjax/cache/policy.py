@@ -13,6 +13,10 @@ The bare base model (adapter key None) never has a residual: its LoRA term is ze
 gets `b_k = b_v = 0` for it and whatever its residual page table points at is multiplied by zero.
 It therefore takes no residual pages under any policy; under `prefix` it has its own namespace
 (None) in the base tree like any adapter.
+
+A request's `cache_salt` wraps its key (`Salted`): each of its namespaces is then the unsalted one
+within that salt, so requests of different salts share no page in either tree, under every
+policy, and requests of one salt share exactly as the table says.
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ SHARED = _Shared()
 
 
 @dataclass(frozen=True)
+class Salted:
+    """A cache key or namespace within one `cache_salt`."""
+    salt: str
+    key: Hashable
+
+
+def salted(key: Hashable, salt: str | None) -> Hashable:
+    """A request's cache key: its adapter's key, within `salt` when it has one."""
+    return key if salt is None else Salted(salt, key)
+
+
+def unsalted(key: Hashable) -> Hashable:
+    return key.key if isinstance(key, Salted) else key
+
+
+@dataclass(frozen=True)
 class CachePolicy:
     name: str
     base_per_adapter: bool  # base tree keyed by (adapter, tokens) instead of tokens
@@ -42,10 +62,15 @@ class CachePolicy:
         return self.residual is not None
 
     def base_ns(self, adapter_key: Hashable) -> Hashable:
+        if isinstance(adapter_key, Salted):
+            return Salted(adapter_key.salt, self.base_ns(adapter_key.key))
         return adapter_key if self.base_per_adapter else SHARED
 
     def res_ns(self, adapter_key: Hashable) -> Hashable | None:
         """Residual namespace of a request, or None when the request keeps no residual."""
+        if isinstance(adapter_key, Salted):
+            ns = self.res_ns(adapter_key.key)
+            return None if ns is None else Salted(adapter_key.salt, ns)
         if self.residual is None or adapter_key is None:
             return None
         return adapter_key if self.residual == "per_adapter" else SHARED

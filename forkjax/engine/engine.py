@@ -20,12 +20,13 @@ import jax
 import numpy as np
 
 from forkjax.cache import DualRadixCache, PoolLayout, check_shared_lora_a
+from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
 from forkjax.engine.model_runner import Launched, ModelRunner
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
-from forkjax.engine.requests import fanout_targets, prompt_ids
+from forkjax.engine.requests import check_salt, fanout_targets, prompt_ids
 from forkjax.engine.sequence import NonFiniteError, SamplingParams, Sequence, Status
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
@@ -145,19 +146,22 @@ class Engine:
 
     def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
                     score: bool = False, *, session_id: str | None = None,
-                    fanout_adapters=None) -> Sequence:
+                    fanout_adapters=None, cache_salt: str | None = None) -> Sequence:
         """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
 
         `session_id`: requests of one workflow; its pages are evicted after others' for a
         while after each of its requests ends, so the next turn finds them. `fanout_adapters`
         (`forkkv`): the agents whose residuals this request writes too; None follows the
-        engine's `residual_fanout` (every loaded adapter, or none), [] none."""
+        engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
+        request shares cached pages (base and residual) only with requests of the same salt
+        (one salt per trust domain: under `forkkv` agents of one salt read each other's base)."""
         ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
         slot = self.slots.slot_of(adapter)
-        key = self.slots.key_of(adapter)
+        salt = check_salt(cache_salt)
+        key = salted(self.slots.key_of(adapter), salt)
         if session_id is not None and not isinstance(session_id, str):
             raise ValueError(f"session_id={session_id!r}: expected a string")
-        fanout = fanout_targets(self.slots, self.config, key, fanout_adapters)
+        fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
         params = params or SamplingParams()
         if not params.ignore_eos:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
@@ -271,7 +275,8 @@ class Engine:
 
     def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
                  seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False,
-                 session_id: str | None = None, fanout_adapters=None) -> list[list[int]]:
+                 session_id: str | None = None, fanout_adapters=None,
+                 cache_salt: str | None = None) -> list[list[int]]:
         if adapters is None or isinstance(adapters, str):
             adapters = [adapters] * len(prompts)
         if len(adapters) != len(prompts):
@@ -284,7 +289,7 @@ class Engine:
         try:
             for prompt, adapter, p in zip(prompts, adapters, params):
                 seq = self.add_request(prompt, adapter, p, session_id=session_id,
-                                       fanout_adapters=fanout_adapters)
+                                       fanout_adapters=fanout_adapters, cache_salt=cache_salt)
                 if p.max_new_tokens == 0:
                     self.scheduler.finish(seq, "length")
                 seqs.append(seq)
@@ -295,11 +300,12 @@ class Engine:
             raise
         return [list(s.output) for s in seqs]
 
-    def score(self, prompt_ids, adapter=None) -> np.ndarray:
+    def score(self, prompt_ids, adapter=None, *, cache_salt: str | None = None) -> np.ndarray:
         """[len(prompt), vocab] float32 logits of every prompt position, computed through the
         cache: positions the cache holds are read from it (another agent's shared base under
         `forkkv`), only misses are written."""
-        seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True)
+        seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
+                               cache_salt=cache_salt)
         try:
             self._run_until_done([seq])
         except BaseException:

@@ -1,8 +1,9 @@
-"""Validation of what a request brings: its prompt and its fan-out group (ValueError or KeyError,
-naming what is wrong, before anything is queued)."""
+"""Validation of what a request brings: its prompt, its cache salt and its fan-out group
+(ValueError or KeyError, naming what is wrong, before anything is queued)."""
 
 from __future__ import annotations
 
+from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig
 from forkjax.lora.slots import AdapterSlots
 
@@ -27,9 +28,17 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[i
     return ids
 
 
-def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names) -> dict:
-    """`fanout_adapters` -> {adapter slot: adapter key} of the residuals a request writes besides
-    its own: None follows `config.residual_fanout` (every loaded adapter, or none)."""
+def check_salt(cache_salt) -> str | None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt={cache_salt!r}: expected a non-empty string")
+    return cache_salt
+
+
+def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names,
+                   salt: str | None = None) -> dict:
+    """`fanout_adapters` -> {adapter slot: cache key} of the residuals a request writes besides
+    its own (within its `salt`): None follows `config.residual_fanout` (every loaded adapter, or
+    none)."""
     if names is None:
         names = list(slots.by_name) if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
@@ -39,7 +48,8 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names) ->
         raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {config.cache_policy!r}")
     out, keys = {}, {own_key}
     for name in names:
-        slot, key = slots.slot_of(name), slots.key_of(name)  # KeyError for an unknown one
+        slot = slots.slot_of(name)  # KeyError for an unknown one
+        key = salted(slots.key_of(name), salt)
         if key not in keys:  # the same weights under two names share one residual
             keys.add(key)
             out[slot] = key

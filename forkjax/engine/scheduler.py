@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -70,7 +71,7 @@ class Scheduler:
                              f"{seq.params.max_new_tokens} exceeds the context of {self.max_model_len}")
         pages = -(-total // self.cache.page_size)
         capacity = {"base": self.cache.base_tree.allocator.num_pages - 1}
-        copies = (seq.adapter_key is not None) + len(seq.fanout)
+        copies = (self.cache.policy.res_ns(seq.adapter_key) is not None) + len(seq.fanout)
         if self.cache.res_tree is not None and copies:
             capacity["residual"] = (self.cache.res_tree.allocator.num_pages - 1) // copies
         for pool, cap in capacity.items():
@@ -197,6 +198,8 @@ class Scheduler:
         self.admission.on_leave(seq)
         h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted,
                              fanout=seq.fanout)
+        if not seq.admitted:
+            seq.first_admitted = time.monotonic()
         seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
         seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
         seq.pending_copies = ([], [])

@@ -75,6 +75,7 @@ class Sequence:
         # finish may insert into the trees (with overlap a step still in flight is unchecked)
         self.num_verified = 0
         self.admitted = False  # admitted once already (a preempted request is not recounted)
+        self.first_admitted: float | None = None  # time.monotonic() of its first admission
         self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
         self.sample_row = 0  # row of its token in the last launched step's sampled output
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.lora.peft import BLOCK, TARGETS, LoraAdapter
+from forkjax.lora.peft import BLOCK, TARGETS, LoraAdapter, check_finite
 from forkjax.models.transformer import STACKED
 
 BASE_SLOT = 0
@@ -43,16 +43,8 @@ def _set_rows(w, rows, start):
 
 def check_fits(model, adapter: LoraAdapter):
     """ValueError unless `adapter` fits the slots of `model` (rank and targeted projections) and
-    every weight is finite (B with its scale folded in: a finite B times a large alpha may not
-    be). A NaN or inf in a slot would reach only its own tokens, but they would cache it."""
-    for (layer, module), pair in sorted(adapter.weights.items()):
-        for ab, w in zip("AB", pair):
-            bad = np.size(w) - np.count_nonzero(np.isfinite(w))
-            if bad:
-                raise ValueError(
-                    f"adapter {adapter.name!r}: tensor base_model.model.model.layers.{layer}."
-                    f"{BLOCK[module]}.{module}.lora_{ab}.weight has {bad} non-finite values "
-                    "(NaN or inf); refusing to load it")
+    its weights are finite (`check_finite`: an in-memory adapter was never read by peft.py)."""
+    check_finite(adapter)
     rank_cap = slot_rank(model)
     if adapter.rank > rank_cap:
         raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {rank_cap}")

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import forkjax
 from forkjax.engine.loading import read_adapters
 from forkjax.server import metrics
 from forkjax.server.engine_loop import EngineLoop
@@ -23,17 +24,20 @@ from forkjax.server.protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest)
 from forkjax.server.serving import OpenAIServing
+from forkjax.server.tokenize import (
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)
 
 log = logging.getLogger("forkjax.serve")
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
 GENERATION_RESPONSES = {**ERRORS, 200: {"content": {"text/event-stream": {}}}}
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-              413: "request_too_large"}
+              408: "request_timeout", 413: "request_too_large"}
 
 
 def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: str | None = None,
-               max_body_bytes: int = 8 << 20, max_lora_rank: int | None = None) -> FastAPI:
+               max_body_bytes: int = 8 << 20, body_timeout_s: float = 30.0,
+               max_lora_rank: int | None = None) -> FastAPI:
     engine = loop.engine
     stats = engine.stats()
     pool_pages = min(n for n in (stats["base_pages_total"], stats["residual_pages_total"]) if n > 0)
@@ -42,8 +46,9 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
                             vocab_size=engine.model_cfg.vocab_size)
     created = int(time.time())
     app = FastAPI(title="forkjax", summary="OpenAI-compatible multi-LoRA server; adapters are models",
-                  version="0.1.0")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+                  version=forkjax.__version__)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -62,13 +67,37 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         log.info("flushed the KV cache: %d pages freed", freed)
         return PlainTextResponse(f"Cache flushed. {freed} KV pages freed.")
 
+    def cards() -> list[ModelCard]:
+        ctx = engine.max_model_len
+        out = [ModelCard(id=model_name, created=created, root=model_root, max_model_len=ctx)]
+        return out + [ModelCard(id=name, created=created, root=src, parent=model_name,
+                                max_model_len=ctx) for name, src in sorted(loop.adapters.items())]
+
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> ModelList:
-        ctx = engine.max_model_len
-        cards = [ModelCard(id=model_name, created=created, root=model_root, max_model_len=ctx)]
-        cards += [ModelCard(id=name, created=created, root=src, parent=model_name, max_model_len=ctx)
-                  for name, src in sorted(loop.adapters.items())]
-        return ModelList(data=cards)
+        return ModelList(data=cards())
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        card = next((c for c in cards() if c.id == model_id), None)
+        if card is None:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                           code="model_not_found")
+        return card
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
+        serving.adapter_for(body.model)
+        return tokenize(engine.tokenizer, body, engine.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.adapter_for(body.model)
+        return detokenize(engine.tokenizer, body, engine.model_cfg.vocab_size)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": forkjax.__version__}
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, raw: Request):
@@ -146,7 +175,10 @@ def _install_error_handlers(app: FastAPI):
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, e: StarletteHTTPException):
         error = APIError(e.status_code, str(e.detail), code=HTTP_CODES.get(e.status_code))
-        return JSONResponse(error.body(), status_code=e.status_code, headers=e.headers)
+        headers = e.headers
+        if e.status_code == 408:  # the rest of the body may still come: not a request boundary
+            headers = {**(headers or {}), "Connection": "close"}
+        return JSONResponse(error.body(), status_code=e.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):

@@ -21,9 +21,11 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.server.latency import latencies
 
 log = logging.getLogger("forkjax.serve")
 
@@ -45,11 +47,13 @@ class RequestHandle:
     params: SamplingParams
     sink: Callable[[Output], None]
     session_id: str | None = None
+    cache_salt: str | None = None
     fanout_adapters: list[str] | None = None  # None: the engine's residual_fanout setting
     seq: Sequence | None = None
     sent: int = 0  # output tokens already passed to the sink
     failure: Exception | None = None  # set when the engine itself failed under this request
     stopped: bool = False  # aborted because the HTTP side found a stop string: it ended "stop"
+    last_token_at: float | None = None  # time.monotonic() when its last tokens were published
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,6 +76,7 @@ class EngineLoop:
         self.adapters: dict[str, str] = self._adapter_sources()
         self.generation_tokens = 0
         self.finished: collections.Counter[str] = collections.Counter()
+        self.latency = latencies()  # written on the engine thread, read by metrics.snapshot
         self._thread = threading.Thread(target=self._run, name="forkjax-engine", daemon=True)
 
     # ---- called from any thread -----------------------------------------------------------
@@ -154,7 +159,8 @@ class EngineLoop:
         try:
             for h in handles:
                 h.seq = self.engine.add_request(h.prompt, h.adapter, h.params, session_id=h.session_id,
-                                                fanout_adapters=h.fanout_adapters)
+                                                fanout_adapters=h.fanout_adapters,
+                                                cache_salt=h.cache_salt)
                 done.append(h)
         except Exception as e:
             for h in done:
@@ -186,11 +192,17 @@ class EngineLoop:
             new = seq.output[h.sent:]
             if not new and not done:
                 continue
+            now = time.monotonic()
+            if new:
+                self._observe_tokens(h, len(new), now)
             h.sent += len(new)
             self.generation_tokens += len(new)
             out = Output(h.index, list(new))
             if done:
                 del self._live[sid]
+                self.latency["e2e_request_latency_seconds"].observe(now - seq.arrival)
+                if seq.first_admitted is not None:
+                    self.latency["request_queue_time_seconds"].observe(seq.first_admitted - seq.arrival)
                 out.finish_reason, out.error = seq.finish_reason, seq.error
                 if h.failure is not None:
                     out.finish_reason, out.error = "error", h.failure
@@ -201,6 +213,16 @@ class EngineLoop:
                 h.sink(out)
             except Exception:  # the HTTP side is gone (shutdown); the request is over anyway
                 log.debug("dropped an output of request %d", sid)
+
+    def _observe_tokens(self, h: RequestHandle, n: int, now: float):
+        """The first token's latency from arrival, then the gap a token since the last ones
+        (a step's tokens reach the host together: they share the gap)."""
+        if h.sent == 0:
+            self.latency["time_to_first_token_seconds"].observe(now - h.seq.arrival)
+            n -= 1
+        if n and h.last_token_at is not None:
+            self.latency["inter_token_latency_seconds"].observe((now - h.last_token_at) / n, n)
+        h.last_token_at = now
 
     def _uses(self, h: RequestHandle, name: str) -> bool:
         """Whether request `h` runs on adapter `name` or writes its residuals."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from forkjax.server.engine_loop import EngineLoop
+from forkjax.server.latency import HELP
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 POOLS = ("base", "residual")
@@ -19,6 +20,7 @@ def snapshot(loop: EngineLoop) -> dict:
     s["generation_tokens"] = loop.generation_tokens
     s["finished"] = dict(loop.finished)
     s["adapters"] = len(loop.adapters)
+    s["latency"] = {name: h.copy() for name, h in loop.latency.items()}
     return s
 
 
@@ -67,6 +69,13 @@ def render(s: dict, model_name: str) -> str:
     metric("request_success_total", "counter", "Finished requests, by finish reason.",
            [(f'finished_reason="{r}"', s["finished"].get(r, 0)) for r in REASONS])
     metric("lora_adapters_loaded", "gauge", "LoRA adapters being served.", [("", s["adapters"])])
+    for name, hist in s["latency"].items():
+        buckets, total, count = hist.samples()
+        lines.append(f"# HELP forkjax:{name} {HELP[name]}")
+        lines.append(f"# TYPE forkjax:{name} histogram")
+        lines += [f'forkjax:{name}_bucket{{{label},le="{le}"}} {float(n)!r}' for le, n in buckets]
+        lines.append(f"forkjax:{name}_sum{{{label}}} {float(total)!r}")
+        lines.append(f"forkjax:{name}_count{{{label}}} {float(count)!r}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,6 @@
-"""Checks every request passes before any route runs: the API key and the body size limit.
+"""Checks every request passes before any route runs: the API key, the body's size limit and
+its deadline (a body that has not fully arrived `body_timeout_s` after the request began gets 408;
+each connection waits on its own, so a stalled client delays nobody else).
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and disconnect
 notices pass through untouched.
@@ -6,22 +8,26 @@ notices pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 
 from starlette.exceptions import HTTPException
 
 from forkjax.server.protocol import APIError
 
 # As in vLLM, the key guards the API (/v1), and here also /flush_cache, which changes what every
-# client's requests cost; /health, /metrics and the OpenAPI docs stay open for probes and
-# scrapers, which carry no credentials.
-GUARDED_PREFIXES = ("/v1", "/flush_cache")
+# client's requests cost, and /tokenize and /detokenize, which name the adapters and run the
+# tokenizer on what they are sent; /health, /metrics, /version and the OpenAPI docs stay open
+# for probes and scrapers, which carry no credentials.
+GUARDED_PREFIXES = ("/v1", "/flush_cache", "/tokenize", "/detokenize")
 
 
 class RequestGuard:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -38,7 +44,7 @@ class RequestGuard:
             if int(length) > self.max_body_bytes:
                 await _discard_body(receive)
                 return await _reply(send, self._too_large())
-        await self.app(scope, self._counting(receive), send)
+        await self.app(scope, self._body_checked(receive), send)
 
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
@@ -49,18 +55,26 @@ class RequestGuard:
         return APIError(413, f"request body exceeds the server's limit of {self.max_body_bytes} bytes",
                         code="request_too_large")
 
-    def _counting(self, receive):
-        """Enforce the limit on bodies sent without a Content-Length (chunked)."""
-        seen = 0
+    def _body_checked(self, receive):
+        """Enforce the deadline, and the size limit on bodies sent without a Content-Length
+        (chunked). FastAPI re-raises HTTP errors met while reading the body; app.py gives them
+        the OpenAI error shape."""
+        seen, complete = 0, False
+        deadline = time.monotonic() + self.body_timeout_s
 
         async def wrapped():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # later reads wait for a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within "
+                                         f"{self.body_timeout_s:g} s") from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    # FastAPI re-raises HTTP errors met while reading the body; app.py gives
-                    # them the OpenAI error shape.
                     raise HTTPException(413, self._too_large().message)
             return message
         return wrapped

@@ -4,8 +4,8 @@ Requests validate strictly: a wrong type is a 400, never a silent coercion ("5" 
 Unknown fields are ignored, as OpenAI and vLLM do; known OpenAI fields whose feature forkjax
 does not implement are accepted only at their neutral value, so a client never gets a
 silently different answer than it asked for. vLLM's extensions (top_k, ignore_eos,
-stop_token_ids, return_token_ids, add_generation_prompt, load_inplace) keep vLLM's names;
-forkjax's own (session_id, fanout_adapters) steer its KV cache.
+stop_token_ids, return_token_ids, add_generation_prompt, load_inplace, cache_salt) keep vLLM's
+names; forkjax's own (session_id, fanout_adapters) steer its KV cache.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_CHOICES = 64
 # Stop strings are matched against the text after every token: bound their count and length.
 MAX_STOP, MAX_STOP_CHARS = 16, 256
-# Bounds on forkjax's cache fields: ids and names are looked up per request and per choice.
-MAX_SESSION_ID_CHARS, MAX_FANOUT = 256, 256
+# Bounds on the cache fields (session_id, cache_salt, fanout_adapters): looked up per request
+# and per choice.
+MAX_ID_CHARS, MAX_FANOUT = 256, 256
 
 
 class ErrorInfo(BaseModel):
@@ -113,9 +114,14 @@ class _Sampling(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     session_id: str | None = Field(
-        None, min_length=1, max_length=MAX_SESSION_ID_CHARS,
+        None, min_length=1, max_length=MAX_ID_CHARS,
         description="forkjax: the requests of one workflow share it; after each ends, its KV pages are "
                     "evicted after others' for a while (lpm scheduling), so the next turn finds them")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS,
+        description="requests share cached KV pages (base and residual) only with requests of the "
+                    "same salt; under forkkv agents of one salt read each other's base cache, so "
+                    "use one salt per trust domain")
     fanout_adapters: list[str] | None = Field(
         None, max_length=MAX_FANOUT,
         description="forkjax (forkkv policy): adapters whose residual KV this request also writes, so "
