@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
 serve: $(STAMP)
-	$(PY) -m forkjax.serve
+	$(PY) -m forkjax.serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,11 +6,13 @@
 
 Endpoints (vLLM's names and bodies): /v1/completions, /v1/chat/completions (`stream: true` for
 server-sent events; `model` picks the adapter, the base model answers to its own name),
-/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics (Prometheus),
-and SGLang's POST /flush_cache (frees every KV page no running request holds; behind --api-key
-like /v1).
+/v1/models, /v1/models/{id}, /v1/load_lora_adapter, /v1/unload_lora_adapter, /tokenize,
+/detokenize, /health, /metrics (Prometheus), /version, and SGLang's POST /flush_cache (frees
+every KV page no running request holds). --api-key guards /v1, /flush_cache, /tokenize and
+/detokenize.
 
-Both generation endpoints take two forkjax fields: `session_id` (the requests of one workflow;
+Both generation endpoints take vLLM's `cache_salt` (requests share cached pages only within one
+salt) and two forkjax fields: `session_id` (the requests of one workflow;
 under lpm, after each ends its pages are evicted after others' for a while, so the next turn
 finds them) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
 writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
