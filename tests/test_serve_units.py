@@ -85,7 +85,8 @@ def test_chat_template_from_the_tokenizer_config(tmp_path):
     {"prompt": ["a", 1]}, {"prompt": "x", "stop": [""] * 2}, {"prompt": "x", "logprobs": 2},
     {"prompt": "x", "best_of": 3}, {"prompt": "x", "presence_penalty": 0.5}, {"prompt": None},
     {"prompt": "x", "session_id": ""}, {"prompt": "x", "session_id": 5},
-    {"prompt": "x", "session_id": "s" * 257},
+    {"prompt": "x", "session_id": "s" * 257}, {"prompt": "x", "cache_salt": ""},
+    {"prompt": "x", "cache_salt": 3},
     {"prompt": "x", "fanout_adapters": "coder"}, {"prompt": "x", "fanout_adapters": [1]},
     {"prompt": "x", "fanout_adapters": ["coder"] * 257}])
 def test_completion_request_rejects(body):
@@ -130,13 +131,15 @@ class ScriptedEngine:
     def by_name(self):
         return {n: (i, type("A", (), {"source": n})) for i, n in enumerate(self.adapters)}
 
-    def add_request(self, prompt, adapter, params, *, session_id=None, fanout_adapters=None):
+    def add_request(self, prompt, adapter, params, *, session_id=None, fanout_adapters=None,
+                    cache_salt=None):
         if adapter is not None and adapter not in self.adapters:
             raise KeyError(adapter)
         if not prompt:
             raise ValueError("empty prompt")
         fanout = {self.by_name[n][0]: n for n in fanout_adapters or ()}  # KeyError for an unknown one
         seq = Sequence(prompt, adapter, 0, None, params, session_id=session_id, fanout=fanout)
+        seq.cache_salt = cache_salt  # what the engine folds into the cache key
         self.waiting.append(seq)
         self.added.append(seq)
         return seq
@@ -274,11 +277,13 @@ def client(loop):
         yield c
 
 
-def test_session_and_fanout_reach_every_choice(client, loop):
+def test_session_salt_and_fanout_reach_every_choice(client, loop):
     r = client.post("/v1/completions", json={"model": "a", "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2,
-                                             "session_id": "wf-1", "fanout_adapters": ["b"]})
+                                             "session_id": "wf-1", "fanout_adapters": ["b"],
+                                             "cache_salt": "team-a"})
     assert r.status_code == 200, r.text
-    assert [(s.session_id, s.fanout) for s in loop.engine.added] == [("wf-1", {1: "b"})] * 4
+    assert [(s.session_id, s.fanout, s.cache_salt) for s in loop.engine.added] == \
+        [("wf-1", {1: "b"}, "team-a")] * 4
 
 
 def test_bad_fanout_is_refused_before_anything_is_queued(client, loop):
