@@ -215,13 +215,14 @@ class EngineLoop:
                 log.debug("dropped an output of request %d", sid)
 
     def _observe_tokens(self, h: RequestHandle, n: int, now: float):
-        """The first token's latency from arrival, then the gap a token since the last ones
-        (a step's tokens reach the host together: they share the gap)."""
+        """The first token's latency from arrival; each later token's share of the time since
+        the previous tokens were published (tokens published together share it)."""
         if h.sent == 0:
             self.latency["time_to_first_token_seconds"].observe(now - h.seq.arrival)
             n -= 1
-        if n and h.last_token_at is not None:
-            self.latency["inter_token_latency_seconds"].observe((now - h.last_token_at) / n, n)
+        if n:
+            since = now - (h.last_token_at if h.last_token_at is not None else now)
+            self.latency["inter_token_latency_seconds"].observe(since / n, n)
         h.last_token_at = now
 
     def _uses(self, h: RequestHandle, name: str) -> bool:
