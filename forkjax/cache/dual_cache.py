@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -153,7 +154,7 @@ class DualRadixCache:
         """
         base_alloc = self.base_tree.allocator
         res_used = self.res_tree.allocator.num_used if self.res_tree else 0
-        agent_bytes: dict[Hashable, int] = {}
+        agent_bytes: collections.Counter[Hashable] = collections.Counter()
         shared = 0
         for tree, page_bytes in ((self.base_tree, self.base_page_bytes), (self.res_tree, self.res_page_bytes)):
             if tree is None:
@@ -162,17 +163,15 @@ class DualRadixCache:
                 if unsalted(ns) is SHARED:
                     shared += pages * page_bytes
                 elif pages:
-                    agent_bytes[unsalted(ns)] = agent_bytes.get(unsalted(ns), 0) + pages * page_bytes
+                    agent_bytes[unsalted(ns)] += pages * page_bytes
         for h in self._live:
             own = len(h.base.private_pages) * self.base_page_bytes
             own += len(h.res.private_pages) * self.res_page_bytes if h.res else 0
-            key = unsalted(h.adapter_key)
             if own:
-                agent_bytes[key] = agent_bytes.get(key, 0) + own
+                agent_bytes[unsalted(h.adapter_key)] += own
             for pool in h.fanout.values():  # another agent's residual, written by this request
                 if len(pool.private_pages):
-                    key = unsalted(pool.ns)
-                    agent_bytes[key] = agent_bytes.get(key, 0) + len(pool.private_pages) * self.res_page_bytes
+                    agent_bytes[unsalted(pool.ns)] += len(pool.private_pages) * self.res_page_bytes
         return {
             "base_pages_total": base_alloc.num_usable,
             "base_pages_used": base_alloc.num_used,
@@ -190,7 +189,7 @@ class DualRadixCache:
             "residual_pages_evictable": self.res_tree.evictable_size() if self.res_tree else 0,
             "residual_pages_protected": self.res_tree.protected_size() if self.res_tree else 0,
             "shared_bytes": shared,
-            "agent_bytes": agent_bytes,
+            "agent_bytes": dict(agent_bytes),
         }
 
     def check(self) -> None:

@@ -36,6 +36,20 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     source: str = "<memory>"
 
+    def __post_init__(self):
+        """ValueError naming the first tensor with a NaN or inf (B with its scale folded in: a
+        finite B times a large alpha may not be), however the adapter was made. Such a slot
+        would reach only its own tokens (slots are selected, never mixed), but those would
+        compute NaN."""
+        for (layer, module), pair in sorted(self.weights.items()):
+            for ab, w in zip("AB", pair):
+                bad = np.size(w) - np.count_nonzero(np.isfinite(w))
+                if bad:
+                    raise ValueError(
+                        f"adapter {self.name!r}: tensor base_model.model.model.layers.{layer}."
+                        f"{BLOCK[module]}.{module}.lora_{ab}.weight has {bad} non-finite values "
+                        "(NaN or inf); refusing to load it")
+
     @property
     def targets(self) -> frozenset[str]:
         return frozenset(m for _, m in self.weights)
@@ -158,20 +172,4 @@ def adapter_from_tensors(name, tensors: dict[str, np.ndarray], r: int, scaling: 
         weights[key] = (np.ascontiguousarray(p["A"].T), np.ascontiguousarray(p["B"].T) * np.float32(scaling))
     if not weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights found")
-    adapter = LoraAdapter(name=name, rank=r, scaling=float(scaling), weights=weights, source=source)
-    check_finite(adapter)
-    return adapter
-
-
-def check_finite(adapter: LoraAdapter):
-    """ValueError naming the first tensor with a NaN or inf (B with its scale folded in: a finite
-    B times a large alpha may not be). Such a slot would reach only its own tokens (slots are
-    selected, never mixed), but those would compute NaN."""
-    for (layer, module), pair in sorted(adapter.weights.items()):
-        for ab, w in zip("AB", pair):
-            bad = np.size(w) - np.count_nonzero(np.isfinite(w))
-            if bad:
-                raise ValueError(
-                    f"adapter {adapter.name!r}: tensor base_model.model.model.layers.{layer}."
-                    f"{BLOCK[module]}.{module}.lora_{ab}.weight has {bad} non-finite values "
-                    "(NaN or inf); refusing to load it")
+    return LoraAdapter(name=name, rank=r, scaling=float(scaling), weights=weights, source=source)
