@@ -139,6 +139,8 @@ class EngineConfig:
     residual_fanout: bool = False  # forkkv: requests write every loaded adapter's residual
     residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
     schedule_policy: str = "lpm"  # "lpm" (cache-aware admission) | "fifo"
+    # Logits bitwise independent of the batch, the chunking and prefix hits (buckets.py: fixed)
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.cache_policy not in CACHE_POLICIES:

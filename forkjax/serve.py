@@ -19,6 +19,8 @@ writes, so their forks of its prefix are full hits; null follows --residual-fano
 none). A server started without --residual-fanout compiles the fan-out programs at the first
 such request. --schedule-policy picks the admission order (lpm: cached prefixes first, with a
 bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes.
+--deterministic fixes every step's shapes, so a request's logits (bitwise) and greedy tokens do
+not depend on what runs beside it, on its prompt's chunking or on prefix hits (buckets.py).
 
 The HTTP layer is in forkjax/server/; this file parses flags, builds the engine and runs uvicorn.
 """
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
                    help="admission order: lpm serves cached prefixes first, with a bounded wait "
                         "(%(default)s)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-, chunking- and cache-invariant logits: one program per step kind "
+                        "(slower: BENCHMARKS.md, deterministic mode)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2G (default: 80%% of free device memory; 256M on CPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None):
             max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, seed=args.seed,
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
-            schedule_policy=args.schedule_policy,
+            schedule_policy=args.schedule_policy, deterministic=args.deterministic,
             warmup=True, progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")

@@ -7,7 +7,8 @@ on q/k/v/o, `forkkv`. Decode: B requests with distinct 2k-token prompts, timed o
 decode steps. Roofline per step = (weight bytes + KV bytes read) / copy bandwidth measured here.
 Host share = (scheduling + input building + postprocessing) / step wall, the issue's definition;
 dispatch share (the jit call: argument transfers and kernel launches) is reported beside it.
-Prefill: one 8k-token prompt (4 chunks of 2048) to its first token.
+Prefill: one 8k-token prompt (4 chunks of 2048; 16 of 512 with --deterministic) to its first
+token.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--no-overlap", action="store_true", help="synchronous steps (no overlap scheduling)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic mode: one decode and one extend program (buckets.py)")
     ap.add_argument("--target-programs", type=int,
                     help="programs the decode kernels' split-K heuristic aims for (default 1024)")
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9,
@@ -120,10 +123,11 @@ def main():
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
                                             cache_policy=args.policy, max_batch_size=64,
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
-                                            overlap=not args.no_overlap)
+                                            overlap=not args.no_overlap,
+                                            deterministic=args.deterministic)
     load_s = time.perf_counter() - t
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
-                  policy=args.policy, overlap=engine.overlap,
+                  policy=args.policy, overlap=engine.overlap, deterministic=args.deterministic,
                   target_programs=residual_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,

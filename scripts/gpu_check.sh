@@ -5,6 +5,10 @@
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
+#   det     bench_engine.py --deterministic, B = 1, 16, 64          engine_det.*       ~2 min
+#           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
+#   hardening  deterministic-mode and isolation tests on the Pallas  hardening.log      ~2 min
+#           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
 #   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
 #   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
@@ -46,10 +50,13 @@ for stage in "$@"; do
         timeout 300 python3 scripts/bench_kernels.py $args --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels $args: rc=$?"  # it writes bench_kernels.json and bench_kernels.log
         grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log" ;;
-    engine)
-        run 150 engine.log python3 scripts/bench_engine.py --batches 1,16,64 --steps 12 \
-            --out "$OUT/engine.json"
-        python3 - "$OUT/engine.json" <<'PY'
+    hardening)
+        run 240 hardening.log python3 -m pytest -q tests/test_deterministic.py tests/test_isolation.py ;;
+    engine | det)
+        [ "$stage" = det ] && name=engine_det args=--deterministic || name=engine args=
+        run 200 $name.log python3 scripts/bench_engine.py --batches 1,16,64 --steps ${ENGINE_STEPS:-12} $args \
+            --out "$OUT/$name.json"
+        python3 - "$OUT/$name.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for d in r["decode"]:

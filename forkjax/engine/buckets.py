@@ -6,6 +6,13 @@ max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 p
 Page tables: width W (pages) in 1024, 4096, ... up to the pages of max_model_len, by the batch's
 longest request, so a step of short requests never carries (or, in the kernels that size their
 work by W, computes over) the width of a 128k context; models up to 16k tokens have one width.
+
+Fixed (deterministic mode): one program per kind, so every step of a kind runs the same GEMM
+shapes, kernel splits and reduction orders whatever the batch holds, and a row's arithmetic
+depends only on its own inputs. Decode: max_batch_size rows. Extend: B rows of C tokens with
+C = max_prefill_tokens / 4 (at least MIN_CHUNK) and B·C within max_prefill_tokens; a row is one
+request's chunk, and a long prompt fills several rows with consecutive pieces of itself
+(scheduler.py), so it takes as many steps as by default. One page-table width.
 """
 
 from __future__ import annotations
@@ -23,9 +30,15 @@ def _ladder(cap: int, start: int, factor: int) -> list[int]:
 
 
 class Buckets:
-    def __init__(self, max_batch_size: int, max_prefill_tokens: int, max_pages: int = MIN_PAGE_WIDTH):
+    def __init__(self, max_batch_size: int, max_prefill_tokens: int, max_pages: int = MIN_PAGE_WIDTH,
+                 *, fixed: bool = False):
         if max_prefill_tokens < MIN_CHUNK:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be >= {MIN_CHUNK}")
+        if fixed:
+            c = max(MIN_CHUNK, max_prefill_tokens // 4)
+            self.decode_sizes, self.chunk_sizes, self.page_widths = [max_batch_size], [c], [max_pages]
+            self.extend_sizes = {c: [max(1, min(max_batch_size, max_prefill_tokens // c))]}
+            return
         self.decode_sizes = _ladder(max_batch_size, 1, 2)
         self.chunk_sizes = _ladder(max_prefill_tokens, MIN_CHUNK, 4)
         self.extend_sizes = {c: _ladder(max(1, min(max_batch_size, max_prefill_tokens // c)), 1, 4)

@@ -54,13 +54,14 @@ class Engine:
             residual_copies=residual_copies)
         self.cache = DualRadixCache.from_layout(layout)
         max_batch = cfg.max_batch_size or (64 if on_gpu else 16)
-        buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size))
+        buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
+                          fixed=cfg.deterministic)
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
                                    schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s)
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
-                                  fanout=cfg.residual_fanout)
+                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg))
         self._decode_steps = self._decode_seqs = 0
         self.overlap = overlap
         self._inflight: Launched | None = None
@@ -80,7 +81,7 @@ class Engine:
                         max_lora_rank=None, *, max_loras: int = 8, seed: int = 0,
                         lora_target_modules=None, residual_fanout: bool = False,
                         residual_fraction: float | None = None, schedule_policy: str = "lpm",
-                        **engine_kwargs):
+                        deterministic: bool = False, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
         `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
@@ -89,7 +90,10 @@ class Engine:
         loaded adapter from its own hidden states, unless it names its group
         (`fanout_adapters`). `residual_fraction`: share of `kv_cache_bytes` for the residual
         pool (default: one residual copy per base token per adapter loaded here, at least one).
-        `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo".
+        `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo". `deterministic`: a
+        request's logits are bitwise the same whatever batch it runs in, however its prompt was
+        chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
+        is preempted (its generated tokens' K/V are then recomputed by an extend step).
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress,
         overlap, max_wait_s, compile_workers: threads of the warm-up's compiles, default the
         host's cores) go to the constructor."""
@@ -98,7 +102,8 @@ class Engine:
                            max_lora_rank=max_lora_rank, max_loras=max_loras,
                            lora_target_modules=None if lora_target_modules is None
                            else tuple(lora_target_modules), residual_fanout=residual_fanout,
-                           residual_fraction=residual_fraction, schedule_policy=schedule_policy)
+                           residual_fraction=residual_fraction, schedule_policy=schedule_policy,
+                           deterministic=deterministic)
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
         if cache_policy == "lrshared":
             _check_lrshared(loaded)
@@ -167,7 +172,7 @@ class Engine:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
         seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
-                       fanout=fanout)
+                       fanout=fanout, prefill_whole_prompt=self.config.deterministic)
         self.scheduler.add(seq)
         return seq
 
@@ -232,7 +237,7 @@ class Engine:
         self._postprocess(launched.batch, tokens, finite, logits)
         self._time("device_s", t1 - t0)
         self._time("postprocess_s", time.perf_counter() - t1)
-        return launched.batch.seqs
+        return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once
 
     def _postprocess(self, batch, tokens, finite, logits):
         for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
@@ -344,6 +349,12 @@ class Engine:
         the pages freed."""
         self.scheduler.sessions.release_all()
         return self.cache.flush()
+
+
+def _fixed_fanout(cfg: EngineConfig) -> bool:
+    """Deterministic `forkkv` runs only the programs with fan-out inputs: which program a step
+    ran would otherwise depend on whether another request in it fans out."""
+    return cfg.deterministic and cfg.cache_policy == "forkkv"
 
 
 def _default_kv_bytes(on_gpu: bool) -> int:

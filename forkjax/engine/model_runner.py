@@ -93,7 +93,9 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
                              inv_freq=model.inv_freq[...], precision=model.precision)
     h, pools, _ = model(tokens, batch, attn, pools)
     logits = model.logits(h) if all_logits else None
-    rows = logits[inputs.sample_rows] if all_logits else model.logits(h[inputs.sample_rows])
+    # The sampled rows get their own [B, vocab] GEMM even when every row's logits are computed:
+    # a request's sampled logits then never depend on a score request sharing its step.
+    rows = model.logits(h[inputs.sample_rows])
     b = inputs.sample_rows.shape[0]
     valid = jnp.arange(h.shape[0] // b)[None, :] < inputs.meta.chunk_lengths[:, None]  # [B, c]
     finite = jnp.all(jnp.isfinite(h).all(-1).reshape(b, -1) | ~valid, axis=1)

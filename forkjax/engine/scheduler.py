@@ -32,8 +32,10 @@ from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 @dataclasses.dataclass
 class ScheduledBatch:
     kind: str  # "extend" | "decode"
-    seqs: list[Sequence]  # ordered by adapter slot (the LoRA matmul groups tokens by slot)
-    chunks: list[tuple[int, int]]  # per seq: positions [start, end) computed this step
+    # ordered by adapter slot (the LoRA matmul groups tokens by slot); a request's consecutive
+    # chunks follow one another when its prompt is split into pieces (fixed buckets)
+    seqs: list[Sequence]
+    chunks: list[tuple[int, int]]  # per entry: positions [start, end) computed this step
     base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes
     res_copies: list[tuple[int, int]]
     samples: list[int] = dataclasses.field(default_factory=list)  # requests that sample a token
@@ -219,8 +221,9 @@ class Scheduler:
     # ---- in-flight sharing (inflight.py) ---------------------------------------------------
 
     def _catch_up(self, seq: Sequence):
-        """Take over pages others inserted since this request last looked."""
-        if seq.seen_versions == self.cache.versions:
+        """Take over pages others inserted since this request last looked (a score request
+        computes, and keeps the logits of, every position)."""
+        if seq.score or seq.seen_versions == self.cache.versions:
             return
         seq.seen_versions = self.cache.versions
         if seq.cache.extend_hits(seq.tokens):
@@ -240,6 +243,7 @@ class Scheduler:
 
     def _extend_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
         chosen, chunks, budget = [], [], self.max_prefill_tokens
+        max_chunk = self.buckets.chunk_sizes[-1]  # the budget, or less with fixed buckets
         for seq in seqs:
             if budget <= 0:
                 break
@@ -247,17 +251,26 @@ class Scheduler:
             if not seq.in_prefill:
                 continue  # now a full hit: its last token is computed by a decode step
             start = seq.num_computed
-            end = self.inflight.wait_point(seq, start, min(len(seq), start + budget))
+            end = min(len(seq), start + budget)
+            if not seq.score:  # a score request computes every position: it keeps their logits
+                end = self.inflight.wait_point(seq, start, end)
             if end <= start:
                 continue  # waits for another request's chunk
-            longest = max([end - start] + [e - s for s, e in chunks])
-            if self.buckets.extend(len(chosen) + 1, longest) is None:
-                break  # padding it in would exceed the compiled shapes: next step
+            # Past the largest chunk bucket (fixed buckets) a chunk goes as consecutive pieces,
+            # one row each: a piece attends to the earlier ones' K/V, which every layer writes
+            # before it attends. Pieces that would exceed the compiled shapes wait a step.
+            pieces = [(p, min(p + max_chunk, end)) for p in range(start, end, max_chunk)]
+            while pieces and self.buckets.extend(
+                    len(chunks) + len(pieces), max(e - s for s, e in chunks + pieces)) is None:
+                pieces.pop()
+            if not pieces:
+                break
+            end = pieces[-1][1]
             if not self._reserve(seq, end, allow_preempt):
                 continue
             self.inflight.register(seq, start, end)  # a leader that left: this one leads now
-            chosen.append(seq)
-            chunks.append((start, end))
+            chosen += [seq] * len(pieces)
+            chunks += pieces
             budget -= end - start
         kept = [(s, c) for s, c in zip(chosen, chunks) if s.status is Status.RUNNING]
         if not kept:

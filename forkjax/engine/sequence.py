@@ -53,12 +53,15 @@ class SamplingParams:
 class Sequence:
     def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
                  params: SamplingParams, score: bool = False, *, session_id: str | None = None,
-                 fanout: dict[int, object] | None = None):
+                 fanout: dict[int, object] | None = None, prefill_whole_prompt: bool = False):
         self.id = next(_ids)
         self.prompt = list(prompt)
         self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
         self.params = params
         self.score = score  # compute every prompt position and keep its logits
+        # Deterministic mode: every prompt token, the last one included, is computed by an extend
+        # step, even when the cache holds all but it (by default a decode step computes it then).
+        self.prefill_whole_prompt = prefill_whole_prompt
         self.session_id = session_id  # a workflow's requests share one: its pages outlive a tool call
         self.fanout = fanout or {}  # {adapter slot: adapter key} whose residuals this one writes
         self.arrival = time.monotonic()
@@ -102,7 +105,8 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         """Tokens are still missing from the cache before the next decode step."""
-        return self.num_computed < len(self) - 1 or (self.score and self.num_computed < len(self))
+        return (self.num_computed < len(self) - 1 or (self.score and self.num_computed < len(self))
+                or (self.prefill_whole_prompt and self.num_computed < len(self.prompt)))
 
     def finish(self, reason: str, error: Exception | None = None):
         self.status = Status.FINISHED
