@@ -85,6 +85,24 @@ def test_an_overflowing_adapter_changes_no_other_request_and_caches_nothing(poli
         with_huge.generate([huge_prompt], "huge", max_new_tokens=2)
 
 
+def test_fanout_residuals_that_overflow_are_not_cached_and_change_nothing():
+    """An agent fanning out to an adapter whose A overflows on its hidden states: its own
+    request and the fan-out to a sound adapter go on; nothing is cached for the overflowing one
+    (its forks compute their own residual, and fail on their own)."""
+    engine = _engine("forkkv", {**GOOD, "huge": _overflowing("huge")})
+    prompt = _prompt(11, 150)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    seq = engine.add_request(prompt, "a0", params, fanout_adapters=["a1", "huge"])
+    while engine.scheduler.has_work:
+        engine.step()
+    engine.cache.check()
+    assert seq.error is None
+    assert seq.output == _run(_engine("forkkv", GOOD), [prompt], ["a0"])[0].output
+    residual_hits = {name: engine.cache.match_lengths(prompt, engine.slots.key_of(name), [])[1]
+                     for name in ("a1", "huge")}
+    assert residual_hits == {"a1": 144, "huge": 0}  # a1: the prompt's whole pages
+
+
 @pytest.mark.parametrize("policy,names", [("forkkv", ["a0", "a1"]), ("prefix", ["a0", "a0"])])
 def test_cache_salt_blocks_sharing_across_salts_and_allows_it_within_one(policy, names):
     engine = _engine(policy, GOOD)

@@ -174,6 +174,10 @@ class SeqCache:
     def pools(self) -> list[PoolSeq]:
         return [self.base] + ([self.res] if self.res else []) + list(self.fanout.values())
 
+    def drop_fanout(self, slot: int) -> None:
+        """Stop writing adapter `slot`'s fan-out residuals; pages not inserted yet are freed."""
+        self.fanout.pop(slot).release()
+
     def _prune_fanout(self):
         for slot, pool in list(self.fanout.items()):
             if pool.cached_len < self.cached_len:

@@ -232,14 +232,14 @@ class Engine:
             return []
         launched, self._inflight = self._inflight, None
         t0 = time.perf_counter()
-        tokens, finite, logits = self.runner.fetch(launched)
+        tokens, finite, fan_finite, logits = self.runner.fetch(launched)
         t1 = time.perf_counter()
-        self._postprocess(launched.batch, tokens, finite, logits)
+        self._postprocess(launched.batch, tokens, finite, fan_finite, logits)
         self._time("device_s", t1 - t0)
         self._time("postprocess_s", time.perf_counter() - t1)
         return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once
 
-    def _postprocess(self, batch, tokens, finite, logits):
+    def _postprocess(self, batch, tokens, finite, fan_finite, logits):
         for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
             if seq.status is not Status.RUNNING:
                 continue
@@ -248,6 +248,9 @@ class Engine:
                     f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
                     f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
                 continue
+            bad = [slot for slot in seq.cache.fanout if not fan_finite[i, slot]]
+            if bad:  # another agent's residuals of this request: never cached, it goes on
+                self.scheduler.drop_fanout(seq, bad)
             seq.num_verified = end
             if seq.score:
                 seq.prompt_logits.append(logits[i])

@@ -54,6 +54,7 @@ class Launched:
     tokens: jax.Array  # [max_batch] int32 sampled token of request i in row i
     logits: jax.Array | None  # [b * c, vocab] float32 with all_logits
     finite: jax.Array  # [b] bool: request i's step computed only finite values
+    fan_finite: jax.Array  # [b, N] bool: the fan-out residuals it wrote for slot j are finite
     chunk: int  # c: rows per request
 
 
@@ -80,17 +81,22 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     """One forward of a bucketed batch; the pools are donated and come back updated.
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
-    [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool), pools).
+    [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool,
+    fan_finite [B, N] bool), pools).
 
     finite[i]: request i's rows of the last hidden state and its sampled logits are all finite.
     A NaN or inf anywhere upstream (a K, V or LoRA term of any layer) reaches the residual stream
-    of its token or of a later one, so the host keeps a chunk out of the trees unless it holds."""
+    of its token or of a later one, so the host keeps a chunk out of the trees unless it holds.
+    fan_finite[i, j]: every fan-out residual request i wrote for adapter slot j is finite (those
+    never reach its own stream: slot j's A applied to its hidden states may overflow alone)."""
     model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, state_leaves))
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
+    fan_checks = []  # [T, N] per layer, appended while the layers are traced
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
-                             inv_freq=model.inv_freq[...], precision=model.precision)
+                             inv_freq=model.inv_freq[...], precision=model.precision,
+                             fan_checks=fan_checks)
     h, pools, _ = model(tokens, batch, attn, pools)
     logits = model.logits(h) if all_logits else None
     # The sampled rows get their own [B, vocab] GEMM even when every row's logits are computed:
@@ -100,7 +106,12 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     valid = jnp.arange(h.shape[0] // b)[None, :] < inputs.meta.chunk_lengths[:, None]  # [B, c]
     finite = jnp.all(jnp.isfinite(h).all(-1).reshape(b, -1) | ~valid, axis=1)
     finite &= jnp.isfinite(rows).all(-1)
-    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite), pools
+    n = inputs.group_sizes.shape[0]
+    fan_finite = jnp.ones((b, n), bool)
+    if fan_checks:
+        fan_ok = jnp.stack(fan_checks).all(0).reshape(b, -1, n)  # [B, c, N]
+        fan_finite = jnp.all(fan_ok | ~valid[..., None], axis=1)
+    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite), pools
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
@@ -214,25 +225,27 @@ class ModelRunner:
         fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
         inputs, sampling = self._inputs(batch, b, c, w, fanout)
         t1 = time.perf_counter()
-        (tokens, rows, logits, finite), self.pools = self._call(
+        (tokens, rows, logits, finite, fan_finite), self.pools = self._call(
             batch.kind, all_logits, inputs, (batch.kind, b, c, w, all_logits, fanout))
         if np.any(sampling.temperature > 0):
             tokens = _sample_padded(rows, sampling, len(tokens))
         self.prev_tokens = tokens
         t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
         self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
-        return Launched(batch, self.prev_tokens, logits, finite, c)
+        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, c)
 
     @staticmethod
     def fetch(launched: Launched):
-        """Wait for a launched batch -> (tokens [n] int32, finite [n] bool, per request
-        [chunk, vocab] float32 logits or None)."""
+        """Wait for a launched batch -> (tokens [n] int32, finite [n] bool, fan_finite [n, N]
+        bool, per request [chunk, vocab] float32 logits or None)."""
         batch, c, n = launched.batch, launched.chunk, len(launched.batch.seqs)
         tokens, finite = np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n]
+        fan_finite = np.asarray(launched.fan_finite)[:n]
         if launched.logits is None:
-            return tokens, finite, None
+            return tokens, finite, fan_finite, None
         out = np.asarray(launched.logits)
-        return tokens, finite, [out[i * c:i * c + (e - s)] for i, (s, e) in enumerate(batch.chunks)]
+        return tokens, finite, fan_finite, [out[i * c:i * c + (e - s)]
+                                            for i, (s, e) in enumerate(batch.chunks)]
 
     def _note_shape(self, key):
         if key not in self._compiled:

@@ -36,14 +36,18 @@ class PagedMeta:
 
 
 def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
-                    use_pallas: bool, precision=None):
-    """T tokens (T = B in decode, B·C in extend) -> ([T, Hq, D], pools)."""
+                    use_pallas: bool, precision=None, fan_checks: list | None = None):
+    """T tokens (T = B in decode, B·C in extend) -> ([T, Hq, D], pools).
+
+    fan_checks: with residual fan-out, each layer appends [T, N] bool: the fan-out residuals it
+    wrote for adapter slot j are finite (another agent's A on this one's hidden states may
+    overflow; `_forward` reduces them, and the host then keeps those pages out of j's tree)."""
     m = batch.attn
     hq, hkv, hd = qkv.heads
     b_k, b_v = qkv.b("k_proj"), qkv.b("v_proj")
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
-    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots)
+    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, fan_checks)
     if kind == "decode" and residual and use_pallas and _fused_decode(qkv, pools):
         # one Triton kernel from the q|k|v GEMM's output to the Mosaic kernel's operands and
         # the K/V to write (was ~8 XLA kernels and `query_operands`)
@@ -90,9 +94,10 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     return out.reshape(t, hq, hd), pools
 
 
-def _with_fanout(write, qkv: QKV, fan_slots):
+def _with_fanout(write, qkv: QKV, fan_slots, checks: list | None):
     """Residual fan-out: the K/V write also stores every token's x·A_j of the adapter slots j in
-    `fan_slots` [T, N] (0: not written), beside its own residual, in the same kernel."""
+    `fan_slots` [T, N] (0: not written), beside its own residual, in the same kernel; `checks`
+    gets their finiteness [T, N]."""
     if fan_slots is None:
         return write
 
@@ -101,6 +106,8 @@ def _with_fanout(write, qkv: QKV, fan_slots):
         xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), qkv.all_slots_xa(part)],
                                       axis=1)  # [T, 1 + N, R]
                       for own, part in ((xa_k, "k_proj"), (xa_v, "v_proj")))
+        if checks is not None:
+            checks.append(jnp.isfinite(xa_k[:, 1:]).all(-1) & jnp.isfinite(xa_v[:, 1:]).all(-1))
         return write(pools, layer, base_slots, res_slots, k, v, xa_k, xa_v)
     return write_all
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -28,6 +29,9 @@ from forkjax.engine.buckets import Buckets
 from forkjax.engine.inflight import InflightPages, page_hashes
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
+
+log = logging.getLogger("forkjax")
+
 
 @dataclasses.dataclass
 class ScheduledBatch:
@@ -228,6 +232,15 @@ class Scheduler:
         seq.seen_versions = self.cache.versions
         if seq.cache.extend_hits(seq.tokens):
             seq.num_computed = max(seq.num_computed, min(seq.cache.cached_len, len(seq) - 1))
+        self._forget_dropped_fanout(seq)
+
+    def drop_fanout(self, seq: Sequence, slots):
+        """Stop `seq` writing the fan-out residuals of adapter `slots` (they turned non-finite):
+        what it wrote for them and has not inserted is freed, never inserted."""
+        for slot in slots:
+            log.warning("forkjax: request %d: adapter %r's fan-out residuals computed from its "
+                        "hidden states are not finite; not cached", seq.id, seq.fanout.get(slot))
+            seq.cache.drop_fanout(slot)
         self._forget_dropped_fanout(seq)
 
     def _forget_dropped_fanout(self, seq: Sequence):
