@@ -332,12 +332,13 @@ def test_cli_cache_flags_reach_the_engine(monkeypatch):
         raise ValueError("stop before loading")
 
     monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
-    for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo"]):
+    for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo",
+                      "--deterministic"]):
         with pytest.raises(SystemExit, match="forkjax.serve: error: stop before loading"):
             main([*argv, "--compilation-cache-dir", ""])
-    keys = ("residual_fanout", "residual_fraction", "schedule_policy")
+    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic")
     picked = [tuple(kw[k] for k in keys) for kw in calls]
-    assert picked == [(False, None, "lpm"), (True, 0.25, "fifo")]
+    assert picked == [(False, None, "lpm", False), (True, 0.25, "fifo", True)]
 
 
 @pytest.mark.parametrize("argv, message", [
