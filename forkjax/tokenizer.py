@@ -21,11 +21,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """`transformers.AutoTokenizer` over the checkpoint directory (local files only)."""
+    """`transformers.AutoTokenizer` over the checkpoint directory (local files only), or a
+    transformers tokenizer object already built (a GGUF file's)."""
 
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    def __init__(self, path_or_tokenizer):
+        if isinstance(path_or_tokenizer, str):
+            from transformers import AutoTokenizer
+            path_or_tokenizer = AutoTokenizer.from_pretrained(path_or_tokenizer, local_files_only=True)
+        self.tok = path_or_tokenizer
         self.bos_token_id = self.tok.bos_token_id
         self.eos_token_id = self.tok.eos_token_id
         self.vocab_size = len(self.tok)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.lora.peft import LoraAdapter, load_peft_adapter
 from forkjax.models.builtin import BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin
-from forkjax.models.loader import load_checkpoint
+from forkjax.models.gguf import PACKAGED, GGUFCheckpoint, is_gguf, packaged_path
+from forkjax.models.loader import load_checkpoint, load_strict
 from forkjax.models.transformer import ALWAYS_LORA, LORA_TARGETS
 from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -28,6 +29,16 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
                               dtype=dtype, seed=seed,
                               lora_targets=lora_targets(loaded, cfg.lora_target_modules))
         return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
+    if isinstance(model, str) and model in PACKAGED:
+        model = packaged_path(model)
+    if is_gguf(model):
+        ckpt = GGUFCheckpoint(os.fspath(model))
+        model_cfg = ModelConfig.from_hf(ckpt.config)
+        loaded = read_adapters(adapters or {}, model_cfg)
+        net = load_strict(ckpt.path, model_cfg, ckpt.names, ckpt.read, num_slots=cfg.max_loras,
+                          rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype,
+                          lora_targets=lora_targets(loaded, cfg.lora_target_modules))
+        return model_cfg, net, ckpt.tokenizer(), loaded
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         path = os.fspath(model)
         model_cfg = ModelConfig.from_hf(path)
@@ -36,8 +47,8 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
                                  rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype,
                                  lora_targets=lora_targets(loaded, cfg.lora_target_modules))
         return model_cfg, net, load_tokenizer(path), loaded
-    raise ValueError(f"model={model!r}: not a checkpoint directory nor a built-in model "
-                     f"({', '.join(BUILTIN_CONFIGS)})")
+    raise ValueError(f"model={model!r}: not a checkpoint directory, a .gguf file nor a built-in "
+                     f"model ({', '.join([*BUILTIN_CONFIGS, *PACKAGED])})")
 
 
 def read_adapters(adapters, model_cfg: ModelConfig) -> list[LoraAdapter]:

@@ -116,7 +116,6 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
     cfg = ModelConfig.from_hf(model_dir)
     where = checkpoint_files(model_dir)
     handles: dict[str, object] = {}
-    used: set[str] = set()
 
     def read(name):
         file = where[name]
@@ -124,12 +123,24 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
             handles[file] = safe_open(file, framework="flax")
         return handles[file].get_tensor(name)
 
+    return cfg, load_strict(model_dir, cfg, set(where), read, num_slots=num_slots, rank=rank,
+                            dtype=dtype, progress=progress, lora_targets=lora_targets)
+
+
+def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[str], object], *,
+                num_slots: int, rank: int, dtype, progress: bool = True,
+                lora_targets=LORA_TARGETS) -> CausalLM:
+    """Build the model from the tensors `names` of a checkpoint (HF names; `read(name)` -> an
+    array in HF's layout): every one must be used with the shape `cfg` implies, and every
+    parameter set, or loading fails naming them (`source`: the file or directory, for errors)."""
+    used: set[str] = set()
+
     def get(name, shape, dt):
-        if name not in where:
+        if name not in names:
             raise KeyError(name)
         t = read(name)
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, "
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, "
                              f"the config implies {tuple(shape)}")
         used.add(name)
         return jnp.asarray(t, dt)
@@ -146,17 +157,17 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
     model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
                         lora_targets=lora_targets, progress=progress)
     if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s): "
+        raise ValueError(f"{source}: checkpoint lacks {len(missing)} parameter(s): "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    unused = sorted(set(where) - used)
+    unused = sorted(names - used)
     if cfg.tie_word_embeddings and "lm_head.weight" in unused:
         # Some exports write the tied head anyway; it must then equal the embedding.
         if not np.array_equal(np.asarray(read("lm_head.weight"), np.float32),
                               np.asarray(read("model.embed_tokens.weight"), np.float32)):
-            raise ValueError(f"{model_dir}: tie_word_embeddings=true but lm_head.weight differs "
+            raise ValueError(f"{source}: tie_word_embeddings=true but lm_head.weight differs "
                              "from model.embed_tokens.weight")
         unused.remove("lm_head.weight")
     if unused:
-        raise ValueError(f"{model_dir}: checkpoint has {len(unused)} tensor(s) the model does not "
+        raise ValueError(f"{source}: checkpoint has {len(unused)} tensor(s) the model does not "
                          f"use: {', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}")
-    return cfg, model
+    return model
