@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_utils import hf_greedy, hf_logits, load_hf, rel_err
+from hf_utils import hf_greedy, hf_hidden_states, hf_logits, load_hf, rel_err
 
 KINDS = ("llama", "qwen2")
 # bf16 tolerance: relative logits error against the float64 reference. Our bf16 path rounds where
@@ -72,3 +72,21 @@ def test_mixed_batch_scores_equal_single_requests(engine_for):
     for p, n, seq in zip(prompts, names, seqs):
         got = np.concatenate(seq.prompt_logits)
         np.testing.assert_allclose(got, engine.score(p, adapter=n), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_hidden_states_match_hf_layer_by_layer(hf_suite, engine_for, kind):
+    """score(return_hidden_states=True) against HF's output_hidden_states, chunked prefill and
+    a cached prefix included (the second prompt shares the first's leading pages)."""
+    base, adapters = hf_suite[kind]
+    engine = engine_for(kind, "float32")
+    name = list(adapters)[0]
+    hf = load_hf(base, adapter_dir=adapters[name])
+    ids = _prompt(3, 150, engine.model_cfg.vocab_size)
+    for prompt in (ids, ids[:96] + _prompt(4, 20, engine.model_cfg.vocab_size)):
+        logits, hidden = engine.score(prompt, adapter=name, return_hidden_states=True)
+        ref = hf_hidden_states(hf, prompt)
+        assert hidden.shape == (len(ref), len(prompt), engine.model_cfg.hidden_size)
+        for layer, (ours, theirs) in enumerate(zip(hidden, ref)):
+            assert rel_err(ours, theirs) < 1e-4, (kind, layer)
+        assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4

@@ -24,7 +24,7 @@ from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
-from forkjax.engine.model_runner import Launched, ModelRunner
+from forkjax.engine.model_runner import Fetched, Launched, ModelRunner
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.requests import check_salt, fanout_targets, prompt_ids
 from forkjax.engine.sequence import NonFiniteError, SamplingParams, Sequence, Status
@@ -200,7 +200,7 @@ class Engine:
         all_logits = any(s.score for s in batch.seqs)
         sync = all_logits or not self.overlap
         done = self._finish_inflight() if sync else []
-        launched = self.runner.launch(batch, all_logits)
+        launched = self.runner.launch(batch, all_logits, any(s.return_hidden for s in batch.seqs))
         self._time("inputs_s", self.runner.last_inputs_s)
         self._time("dispatch_s", self.runner.last_dispatch_s)
         self._time("steps", 1)
@@ -232,28 +232,30 @@ class Engine:
             return []
         launched, self._inflight = self._inflight, None
         t0 = time.perf_counter()
-        tokens, finite, fan_finite, logits = self.runner.fetch(launched)
+        out = self.runner.fetch(launched)
         t1 = time.perf_counter()
-        self._postprocess(launched.batch, tokens, finite, fan_finite, logits)
+        self._postprocess(launched.batch, out)
         self._time("device_s", t1 - t0)
         self._time("postprocess_s", time.perf_counter() - t1)
         return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once
 
-    def _postprocess(self, batch, tokens, finite, fan_finite, logits):
+    def _postprocess(self, batch, out: Fetched):
         for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
             if seq.status is not Status.RUNNING:
                 continue
-            if not finite[i]:  # before anything of this step enters the trees
+            if not out.finite[i]:  # before anything of this step enters the trees
                 self.scheduler.finish(seq, "error", NonFiniteError(
                     f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
                     f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
                 continue
-            bad = [slot for slot in seq.cache.fanout if not fan_finite[i, slot]]
+            bad = [slot for slot in seq.cache.fanout if not out.fan_finite[i, slot]]
             if bad:  # another agent's residuals of this request: never cached, it goes on
                 self.scheduler.drop_fanout(seq, bad)
             seq.num_verified = end
             if seq.score:
-                seq.prompt_logits.append(logits[i])
+                seq.prompt_logits.append(out.logits[i])
+                if seq.return_hidden:
+                    seq.prompt_hidden.append(out.hidden[i])
                 if end == len(seq):
                     self.scheduler.finish(seq, "length")
         if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
@@ -264,7 +266,7 @@ class Engine:
             if seq.status is not Status.RUNNING:
                 continue  # aborted, or stopped one step earlier: this token is dropped
             seq.pending -= 1
-            token = int(tokens[i])
+            token = int(out.tokens[i])
             seq.output.append(token)
             p = seq.params
             if token in p.stop_token_ids:
@@ -308,18 +310,25 @@ class Engine:
             raise
         return [list(s.output) for s in seqs]
 
-    def score(self, prompt_ids, adapter=None, *, cache_salt: str | None = None) -> np.ndarray:
+    def score(self, prompt_ids, adapter=None, *, cache_salt: str | None = None,
+              return_hidden_states: bool = False):
         """[len(prompt), vocab] float32 logits of every prompt position, computed through the
         cache: positions the cache holds are read from it (another agent's shared base under
-        `forkkv`), only misses are written."""
+        `forkkv`), only misses are written. `return_hidden_states`: also [L + 1, len(prompt),
+        d] float32 hidden states, as HF's `output_hidden_states` (the embeddings, every layer's
+        output but the last, the final normed state) -> (logits, hidden)."""
         seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
                                cache_salt=cache_salt)
+        seq.return_hidden = return_hidden_states
         try:
             self._run_until_done([seq])
         except BaseException:
             self.abort(seq)
             raise
-        return np.concatenate(seq.prompt_logits, axis=0).astype(np.float32)
+        logits = np.concatenate(seq.prompt_logits, axis=0).astype(np.float32)
+        if not return_hidden_states:
+            return logits
+        return logits, np.concatenate(seq.prompt_hidden, axis=1)
 
     def stats(self) -> dict:
         """DESIGN.md §3's keys and more; counters run from start-up or the last reset_stats()."""

@@ -55,7 +55,18 @@ class Launched:
     logits: jax.Array | None  # [b * c, vocab] float32 with all_logits
     finite: jax.Array  # [b] bool: request i's step computed only finite values
     fan_finite: jax.Array  # [b, N] bool: the fan-out residuals it wrote for slot j are finite
+    hidden: jax.Array | None  # [L + 1, b * c, d] float32 hidden states with `hidden`
     chunk: int  # c: rows per request
+
+
+@dataclasses.dataclass
+class Fetched:
+    """A finished step's outputs, per request (n of them)."""
+    tokens: np.ndarray  # [n] int32 sampled tokens
+    finite: np.ndarray  # [n] bool
+    fan_finite: np.ndarray  # [n, N] bool
+    logits: list | None  # per request [chunk, vocab] float32
+    hidden: list | None  # per request [L + 1, chunk, d] float32
 
 
 class HashOnce:
@@ -77,12 +88,16 @@ class HashOnce:
 
 
 def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
-             prev_tokens, *, kind: str, all_logits: bool, residual: bool, use_pallas: bool):
+             prev_tokens, *, kind: str, all_logits: bool, hidden: bool, residual: bool,
+             use_pallas: bool):
     """One forward of a bucketed batch; the pools are donated and come back updated.
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
     [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool,
-    fan_finite [B, N] bool), pools).
+    fan_finite [B, N] bool, hidden states [L + 1, T, d] float32 or None), pools).
+
+    hidden: as HF's output_hidden_states, the embeddings, the output of every layer but the
+    last, and the final normed hidden state.
 
     finite[i]: request i's rows of the last hidden state and its sampled logits are all finite.
     A NaN or inf anywhere upstream (a K, V or LoRA term of any layer) reaches the residual stream
@@ -97,7 +112,8 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
                              inv_freq=model.inv_freq[...], precision=model.precision,
                              fan_checks=fan_checks)
-    h, pools, _ = model(tokens, batch, attn, pools)
+    h, pools, layers = model(tokens, batch, attn, pools, output_hidden_states=hidden)
+    states = jnp.stack(layers[:-1] + [h]).astype(jnp.float32) if hidden else None
     logits = model.logits(h) if all_logits else None
     # The sampled rows get their own [B, vocab] GEMM even when every row's logits are computed:
     # a request's sampled logits then never depend on a score request sharing its step.
@@ -111,11 +127,12 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     if fan_checks:
         fan_ok = jnp.stack(fan_checks).all(0).reshape(b, -1, n)  # [B, c, N]
         fan_finite = jnp.all(fan_ok | ~valid[..., None], axis=1)
-    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite), pools
+    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite,
+            states), pools
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
-            static_argnames=("kind", "all_logits", "residual", "use_pallas"))
+            static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas"))
 # XLA's dot merger concatenates the weights of projections that share an input (k, v and the
 # LoRA A's) into one matrix to run one GEMM: the weights are arguments, so that concatenation ran
 # on every step (13 µs a layer at B=64 on the H200, plus transposes); off, the step was 13.60
@@ -190,8 +207,9 @@ class ModelRunner:
         for kind, b, c, w in tqdm(self.buckets.all(), desc="lowering", disable=not progress,
                                   unit="shape"):
             inputs, _ = self._dummy(b, c, w)
-            keys.append((kind, b, c, w, False, self.fanout))
-            lowered.append(self._jit(inputs).trace(*self._args(inputs), **self._static(kind, False))
+            keys.append((kind, b, c, w, False, False, self.fanout))
+            lowered.append(self._jit(inputs).trace(*self._args(inputs),
+                                                   **self._static(kind, False, False))
                            .lower())
         workers = workers or min(len(lowered), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -208,10 +226,11 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def launch(self, batch: ScheduledBatch, all_logits: bool = False) -> Launched:
-        """Dispatch one scheduled batch without waiting for it. A PENDING input token is read on
-        the device from the previous launch's row `seq.sample_row`, so this step can be
-        dispatched before that one has finished."""
+    def launch(self, batch: ScheduledBatch, all_logits: bool = False, hidden: bool = False) -> Launched:
+        """Dispatch one scheduled batch without waiting for it (`all_logits`: every row's
+        logits, `hidden`: every row's hidden states). A PENDING input token is read on the
+        device from the previous launch's row `seq.sample_row`, so this step can be dispatched
+        before that one has finished."""
         n = len(batch.seqs)
         if batch.kind == "decode":
             b, c = self.buckets.decode(n), 1
@@ -225,27 +244,26 @@ class ModelRunner:
         fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
         inputs, sampling = self._inputs(batch, b, c, w, fanout)
         t1 = time.perf_counter()
-        (tokens, rows, logits, finite, fan_finite), self.pools = self._call(
-            batch.kind, all_logits, inputs, (batch.kind, b, c, w, all_logits, fanout))
+        (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
+            batch.kind, all_logits, hidden, inputs, (batch.kind, b, c, w, all_logits, hidden, fanout))
         if np.any(sampling.temperature > 0):
             tokens = _sample_padded(rows, sampling, len(tokens))
         self.prev_tokens = tokens
         t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
         self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
-        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, c)
+        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, states, c)
 
     @staticmethod
-    def fetch(launched: Launched):
-        """Wait for a launched batch -> (tokens [n] int32, finite [n] bool, fan_finite [n, N]
-        bool, per request [chunk, vocab] float32 logits or None)."""
+    def fetch(launched: Launched) -> Fetched:
+        """Wait for a launched batch and read its outputs."""
         batch, c, n = launched.batch, launched.chunk, len(launched.batch.seqs)
-        tokens, finite = np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n]
-        fan_finite = np.asarray(launched.fan_finite)[:n]
-        if launched.logits is None:
-            return tokens, finite, fan_finite, None
-        out = np.asarray(launched.logits)
-        return tokens, finite, fan_finite, [out[i * c:i * c + (e - s)]
-                                            for i, (s, e) in enumerate(batch.chunks)]
+        spans = [slice(i * c, i * c + e - s) for i, (s, e) in enumerate(batch.chunks)]
+        logits = None if launched.logits is None else np.asarray(launched.logits)
+        hidden = None if launched.hidden is None else np.asarray(launched.hidden)
+        return Fetched(np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n],
+                       np.asarray(launched.fan_finite)[:n],
+                       None if logits is None else [logits[r] for r in spans],
+                       None if hidden is None else [hidden[:, r] for r in spans])
 
     def _note_shape(self, key):
         if key not in self._compiled:
@@ -253,12 +271,12 @@ class ModelRunner:
                 log.warning("forkjax: compiling a new shape after warm-up: %s", key)
             self._compiled.add(key)
 
-    def _call(self, kind, all_logits, inputs, key):
+    def _call(self, kind, all_logits, hidden, inputs, key):
         exe = self._executables.get(key)
         if exe is not None:  # compiled at warm-up
             return exe(*self._args(inputs)[2:])
         self._note_shape(key)
-        return self._jit(inputs)(*self._args(inputs), **self._static(kind, all_logits))
+        return self._jit(inputs)(*self._args(inputs), **self._static(kind, all_logits, hidden))
 
     @staticmethod
     def _jit(inputs):
@@ -267,8 +285,9 @@ class ModelRunner:
     def _args(self, inputs) -> tuple:
         return (self.graphdef, self.state_def, self.state_leaves, self.pools, inputs, self.prev_tokens)
 
-    def _static(self, kind, all_logits) -> dict:
-        return dict(kind=kind, all_logits=all_logits, residual=self.residual, use_pallas=self.use_pallas)
+    def _static(self, kind, all_logits, hidden) -> dict:
+        return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,
+                    use_pallas=self.use_pallas)
 
     def _copy(self, base_pairs, res_pairs, size: int | None = None):
         """Dispatch the copy-on-write page copies, padded to a decode bucket with sink-to-sink

@@ -331,6 +331,7 @@ class Scheduler:
         self._release(victim)
         victim.status, victim.num_computed, victim.num_verified = Status.WAITING, 0, 0
         victim.prompt_logits.clear()
+        victim.prompt_hidden.clear()
         self._wait(victim, front=True)
         self.num_preemptions += 1
 

@@ -82,6 +82,8 @@ class Sequence:
         self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
         self.sample_row = 0  # row of its token in the last launched step's sampled output
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
+        self.return_hidden = False  # score requests: keep hidden states too
+        self.prompt_hidden: list[np.ndarray] = []  # [L + 1, chunk, d] pieces
         # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
         self.pending_copies: tuple[list, list] = ([], [])
         self.finish_reason: str | None = None
