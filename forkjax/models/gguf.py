@@ -124,10 +124,10 @@ class GGUFCheckpoint:
         scaling = self._reader.fields.get(f"{a}.rope.scaling.type")
         if scaling is not None and scaling.contents() != "none":
             raise ValueError(f"{self.path}: GGUF rope scaling {scaling.contents()!r} is not supported")
-        for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        for key in ("bos_token_id", "eos_token_id"):
             field = self._reader.fields.get(f"tokenizer.ggml.{key}")
             if field is not None:
-                config[hf] = field.contents()
+                config[key] = field.contents()
         return config
 
     def read(self, name: str) -> np.ndarray:

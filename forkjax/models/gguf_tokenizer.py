@@ -47,10 +47,8 @@ def gguf_tokenizer(fields: dict, source: str):
                             for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4])
-    special = {}
-    for name in ("bos", "eos", "unknown", "padding"):
-        i = fields.get(f"tokenizer.ggml.{name}_token_id")
-        if i is not None:
-            special[{"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"] = tokens[i]
+    names = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+    special = {hf: tokens[fields[f"tokenizer.ggml.{key}_token_id"]] for key, hf in names.items()
+               if f"tokenizer.ggml.{key}_token_id" in fields}
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=fields.get("tokenizer.chat_template"),
                                    **special)
