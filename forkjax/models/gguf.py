@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's single-file format): HF config, HF tensor names, dequantized
-tensors and the tokenizer, read with the `gguf` package.
+tensors and the tokenizer. The container is read by gguf_file.py, tensors are dequantized by the
+`gguf` package.
 
 Llama and Qwen2 files. Tensors are dequantized to float32 on reading (any type `gguf.quants`
 dequantizes: F32, F16, BF16, Q4_0 ... Q8_0, the K and IQ quants) and then cast by the loader,
@@ -15,6 +16,8 @@ import os
 import re
 
 import numpy as np
+
+from forkjax.models.gguf_file import read_gguf, tensor_data
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -58,11 +61,10 @@ class GGUFCheckpoint:
     """One GGUF file: `config` (an HF config dict), `names` (HF tensor names) and `read`."""
 
     def __init__(self, path: str):
-        import gguf
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(path)
-        except (ValueError, IndexError, KeyError) as e:  # what a truncated file raises in numpy
+            self._meta, tensors, self._data = read_gguf(path)
+        except ValueError as e:
             raise ValueError(f"{path}: not a complete GGUF file (truncated or corrupt: {e})") from None
         arch = self._field("general.architecture")
         if arch not in ARCHITECTURES:
@@ -70,7 +72,7 @@ class GGUFCheckpoint:
                              f"(supported: {', '.join(ARCHITECTURES)})")
         self.arch = arch
         self._tensors, unknown = {}, []
-        for t in self._reader.tensors:
+        for t in tensors.values():
             name = hf_tensor_name(t.name)
             if name is None:
                 unknown.append(t.name)
@@ -86,27 +88,25 @@ class GGUFCheckpoint:
 
     def tokenizer(self):
         """The file's tokenizer and chat template (gguf_tokenizer.py), None if it holds none."""
-        if "tokenizer.ggml.model" not in self._reader.fields:
+        if "tokenizer.ggml.model" not in self._meta:
             return None
         from forkjax.models.gguf_tokenizer import gguf_tokenizer
         from forkjax.tokenizer import HFTokenizer
-        fields = {k: f.contents() for k, f in self._reader.fields.items() if k.startswith("tokenizer.")}
+        fields = {k: v for k, v in self._meta.items() if k.startswith("tokenizer.")}
         return HFTokenizer(gguf_tokenizer(fields, self.path))
 
     def _field(self, key: str, default=None):
-        field = self._reader.fields.get(key)
-        if field is None:
-            if default is not None:
-                return default
+        value = self._meta.get(key, default)
+        if value is None:
             raise ValueError(f"{self.path}: GGUF metadata lacks {key}")
-        return field.contents()
+        return value
 
     def _hf_config(self) -> dict:
         a = self.arch
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
-        vocab = self._reader.fields.get(f"{a}.vocab_size")
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._meta.get(f"{a}.vocab_size")
+        tokens = self._meta.get("tokenizer.ggml.tokens")
         config = {
             "architectures": [ARCHITECTURES[a]], "model_type": a,
             "hidden_size": hidden, "intermediate_size": self._field(f"{a}.feed_forward_length"),
@@ -117,27 +117,28 @@ class GGUFCheckpoint:
             "rms_norm_eps": self._field(f"{a}.attention.layer_norm_rms_epsilon"),
             "rope_theta": self._field(f"{a}.rope.freq_base", 10000.0),
             "max_position_embeddings": self._field(f"{a}.context_length"),
-            "vocab_size": vocab.contents() if vocab is not None else len(tokens.data),
+            "vocab_size": vocab if vocab is not None else len(tokens),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
         }
-        scaling = self._reader.fields.get(f"{a}.rope.scaling.type")
-        if scaling is not None and scaling.contents() != "none":
-            raise ValueError(f"{self.path}: GGUF rope scaling {scaling.contents()!r} is not supported")
+        scaling = self._meta.get(f"{a}.rope.scaling.type", "none")
+        if scaling != "none":
+            raise ValueError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported")
         for key in ("bos_token_id", "eos_token_id"):
-            field = self._reader.fields.get(f"tokenizer.ggml.{key}")
-            if field is not None:
-                config[key] = field.contents()
+            if f"tokenizer.ggml.{key}" in self._meta:
+                config[key] = self._meta[f"tokenizer.ggml.{key}"]
         return config
 
     def read(self, name: str) -> np.ndarray:
         """HF tensor `name` dequantized to float32, in HF's [out, in] layout."""
         from gguf import quants
+        from gguf import GGMLQuantizationType
         t = self._tensors[name]
+        qtype = GGMLQuantizationType(t.tensor_type)
         try:
-            w = quants.dequantize(t.data, t.tensor_type)
+            w = quants.dequantize(tensor_data(self._data, t), qtype)
         except NotImplementedError:
-            raise ValueError(f"{self.path}: tensor {t.name} is of GGUF type {t.tensor_type.name}, "
+            raise ValueError(f"{self.path}: tensor {t.name} is of GGUF type {qtype.name}, "
                              "which cannot be dequantized") from None
         w = np.asarray(w, np.float32)
         if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
