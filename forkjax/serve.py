@@ -21,6 +21,9 @@ such request. --schedule-policy picks the admission order (lpm: cached prefixes 
 bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes.
 --deterministic fixes every step's shapes, so a request's logits (bitwise) and greedy tokens do
 not depend on what runs beside it, on its prompt's chunking or on prefix hits (buckets.py).
+--warmup: the step programs compile in the background while the server already answers
+(default: a request compiles the shapes it needs first), all before serving (full), or when a
+request first needs them (none).
 
 The HTTP layer is in forkjax/server/; this file parses flags, builds the engine and runs uvicorn.
 """
@@ -40,6 +43,7 @@ import jax
 import uvicorn
 
 import forkjax
+from forkjax.engine.compiler import COMPILER
 from forkjax.server.app import create_app
 from forkjax.server.engine_loop import EngineLoop, display_path
 
@@ -109,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="projections with LoRA slots, e.g. q_proj k_proj v_proj o_proj (default: "
                         "those the --lora adapters target; all when none are given)")
+    p.add_argument("--warmup", default="background", choices=("background", "full", "none"),
+                   help="when the step programs compile (%(default)s)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each step before scheduling the next (default: overlap them)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the built-in models (%(default)s)")
@@ -132,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+WARMUP = {"background": "background", "full": True, "none": False}
+
+
 def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None):
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
-            warmup=True, progress=True, overlap=not args.disable_overlap_schedule)
+            warmup=WARMUP[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")
     loop = EngineLoop(engine)
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None):
         server.run()
     finally:
         loop.shutdown()  # aborts what the drain left running
+        COMPILER.stop_background()  # the warm-up's compile in progress, if any, finishes
     print("forkjax: stopped", file=sys.stderr, flush=True)
 
 

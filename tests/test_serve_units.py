@@ -333,12 +333,13 @@ def test_cli_cache_flags_reach_the_engine(monkeypatch):
 
     monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
     for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo",
-                      "--deterministic"]):
+                      "--deterministic", "--warmup", "full"], ["--warmup", "none"]):
         with pytest.raises(SystemExit, match="forkjax.serve: error: stop before loading"):
             main([*argv, "--compilation-cache-dir", ""])
-    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic")
+    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic", "warmup")
     picked = [tuple(kw[k] for k in keys) for kw in calls]
-    assert picked == [(False, None, "lpm", False), (True, 0.25, "fifo", True)]
+    assert picked == [(False, None, "lpm", False, "background"), (True, 0.25, "fifo", True, True),
+                      (False, None, "lpm", False, False)]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,8 +1,9 @@
 """ModelRunner: the one jit boundary. Parameters are split once; the KV pools are donated state.
 
-Shapes are bucketed (buckets.py) so a fixed set of programs serves every batch and is compiled
-at start; page tables are as wide as the bucket of the batch's longest request.
-Anything compiled after warm-up logs a warning: it means a shape escaped the buckets.
+Shapes are bucketed (buckets.py) so a fixed set of programs serves every batch, compiled at
+start or in the background while serving (compiler.py); page tables are as wide as the bucket of
+the batch's longest request. A program compiled after warm-up logs a warning: a shape escaped
+the buckets.
 
 Residual fan-out adds one input, the residual slots of every adapter slot for every token
 (`PagedMeta.fan_slots`), written by the K/V write: an engine with `residual_fanout` runs (and
@@ -12,7 +13,6 @@ out.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
 from forkjax.engine.buckets import Buckets
+from forkjax.engine.compiler import COMPILER
 from forkjax.engine.paged_attention import PagedMeta, paged_attention
 from forkjax.engine.sampler import SamplingArrays, greedy, sample
 from forkjax.engine.scheduler import ScheduledBatch
@@ -174,14 +175,19 @@ class ModelRunner:
         self.fanout = fanout
         self.use_pallas = use_pallas
         self.graphdef = self.state_def = None  # HashOnce, kept across set_model
-        self._executables: dict = {}  # shape key -> executable compiled at warm-up
+        self._exes: dict = {}  # shape -> executable, this runner's view of COMPILER
         self.set_model(model)
         self.vocab_size = model.embed_tokens.get_value().shape[0]
         self.pools = layout.allocate()
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape).
         self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32)
-        self._compiled: set = set()
-        self.warm = False
+        # What a step program depends on besides the model's structure and its bucket shape
+        # (COMPILER's keys); shapes never change.
+        avals = lambda tree: (jax.tree.structure(tree), tuple(  # noqa: E731
+            (x.shape, x.dtype.name) for x in jax.tree.leaves(tree)))
+        self._program = HashOnce((avals(self.state_leaves), avals(self.pools), self.residual,
+                                  use_pallas))
+        self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
 
     def set_model(self, model):
@@ -190,39 +196,50 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         if self.graphdef is None or self.graphdef.value != graphdef:
-            self.graphdef = HashOnce(graphdef)
-            self._executables = {}  # compiled for the other structure
+            self.graphdef, self._exes = HashOnce(graphdef), {}
         if self.state_def is None or self.state_def.value != treedef:
-            self.state_def = HashOnce(treedef)
-            self._executables = {}
+            self.state_def, self._exes = HashOnce(treedef), {}
         self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
 
-    def warmup(self, progress: bool = True, workers: int | None = None):
-        """Compile every bucket now, so serving never stalls on the compiler.
+    def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
+        """Compile every bucket's step (compiler.py): now, XLA's compiles on `workers` threads
+        (default: the host's cores), or with `background` on threads of their own (default: all
+        cores but one) while the engine serves, in the order a first request needs them: one
+        request's shapes first, then larger batches."""
+        items = [(self._key(kind, b, c, w, False, False, self.fanout), self._lowering(kind, b, c, w))
+                 for kind, b, c, w in sorted(self.buckets.all(), key=lambda s: (s[3], s[1], s[2]))]
+        cores = os.cpu_count() or 1
+        if background:
+            t0 = time.perf_counter()
 
-        Tracing and lowering run here one shape after the other (Python); XLA's compiles, most
-        of the time (on the H200 ~8 of ~10 s a Llama-3-8B shape), run on `workers` threads
-        (default: the host's cores), and the steps then call the compiled executables."""
-        keys, lowered = [], []
-        for kind, b, c, w in tqdm(self.buckets.all(), desc="lowering", disable=not progress,
-                                  unit="shape"):
-            inputs, _ = self._dummy(b, c, w)
-            keys.append((kind, b, c, w, False, False, self.fanout))
-            lowered.append(self._jit(inputs).trace(*self._args(inputs),
-                                                   **self._static(kind, False, False))
-                           .lower())
-        workers = workers or min(len(lowered), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            done = tqdm(pool.map(lambda low: low.compile(), lowered), total=len(lowered),
-                        desc="compiling", disable=not progress, unit="shape")
-            for key, exe in zip(keys, done):
-                self._executables[key] = exe
-                self._compiled.add(key)
+            def done():
+                self.warm = True
+                log.info("forkjax: warm-up done: %d shapes compiled in the background in %.0f s",
+                         len(items), time.perf_counter() - t0)
+
+            return COMPILER.start_background(items, workers or max(1, cores - 1), done)
+        with tqdm(total=len(items), desc="compiling", disable=not progress, unit="shape") as bar:
+            COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
         for b in self.buckets.decode_sizes:  # sampling and copy-on-write: small programs, quick
             jax.block_until_ready(_sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
                                                  _sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
         self.warm = True
+
+    def _key(self, *shape) -> tuple:
+        """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fanout)."""
+        return (self.graphdef, self.state_def, self._program, *shape)
+
+    def _lowering(self, kind, b, c, w):
+        return lambda: self._lower(kind, False, False, self._dummy(b, c, w)[0])
+
+    def _lower(self, kind, all_logits, hidden, inputs):
+        """The step of `inputs`' shapes, lowered from shapes alone (the pools may be donated
+        meanwhile by a step on another thread)."""
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        args = (self.graphdef, self.state_def, jax.tree.map(shape, self.state_leaves),
+                jax.tree.map(shape, self.pools), inputs, shape(self.prev_tokens))
+        return self._jit(inputs).trace(*args, **self._static(kind, all_logits, hidden)).lower()
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -265,18 +282,15 @@ class ModelRunner:
                        None if logits is None else [logits[r] for r in spans],
                        None if hidden is None else [hidden[:, r] for r in spans])
 
-    def _note_shape(self, key):
-        if key not in self._compiled:
-            if self.warm:
-                log.warning("forkjax: compiling a new shape after warm-up: %s", key)
-            self._compiled.add(key)
-
-    def _call(self, kind, all_logits, hidden, inputs, key):
-        exe = self._executables.get(key)
-        if exe is not None:  # compiled at warm-up
-            return exe(*self._args(inputs)[2:])
-        self._note_shape(key)
-        return self._jit(inputs)(*self._args(inputs), **self._static(kind, all_logits, hidden))
+    def _call(self, kind, all_logits, hidden, inputs, shape):
+        exe = self._exes.get(shape)
+        if exe is None:
+            key = self._key(*shape)
+            if self.warm and not COMPILER.compiled(key):
+                log.warning("forkjax: compiling a new shape after warm-up: %s", shape)
+            exe = self._exes[shape] = COMPILER.get(
+                key, lambda: self._lower(kind, all_logits, hidden, inputs))
+        return exe(*self._args(inputs)[2:])
 
     @staticmethod
     def _jit(inputs):
@@ -296,7 +310,6 @@ class ModelRunner:
         n = max(len(base_pairs), len(res_pairs))
         size = size or (self.buckets.decode(n) if n <= self.buckets.decode_sizes[-1]
                         else 1 << (n - 1).bit_length())
-        self._note_shape(("copy", size))
         self.pools = _copy_pages(self.pools, *copy_index_arrays(base_pairs, size),
                                  *copy_index_arrays(res_pairs, size))
 
