@@ -1,5 +1,7 @@
 """The Engine contract of DESIGN.md §3 on the built-in models (no files needed)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,28 @@ def test_tiny_qwen2_and_policies():
         assert len(e.generate(["Hello"], max_new_tokens=3)[0]) == 3
     with pytest.raises(ValueError, match="not a checkpoint directory"):
         forkjax.Engine.from_pretrained("no-such-model")
+
+
+def test_background_warmup_serves_while_it_compiles(caplog):
+    """warmup="background": the engine answers at once (a request compiles the shapes it needs
+    unless the background threads have), gives what a fully warmed engine gives, and is warm
+    once every bucket is compiled, after which a bucketed shape compiles nothing."""
+    import logging
+    kw = dict(SMALL, dtype="float32", cache_policy="prefix")
+    engine = forkjax.Engine.from_pretrained("tiny-llama", **{**kw, "warmup": "background"})
+    prompts = ["agents share a cache", "a longer prompt of another agent " * 4]
+    want = forkjax.Engine.from_pretrained("tiny-llama", **kw).generate(prompts, adapters=["planner", "coder"], max_new_tokens=6)
+    assert engine.generate(prompts, adapters=["planner", "coder"], max_new_tokens=6) == want
+    runner = engine.runner
+    deadline = time.time() + 300
+    while not runner.warm:
+        assert time.time() < deadline, "background warm-up did not finish"
+        time.sleep(0.1)
+    from forkjax.engine.compiler import COMPILER
+    assert all(COMPILER.compiled(runner._key(kind, b, c, w, False, False, False))
+               for kind, b, c, w in runner.buckets.all())
+    with caplog.at_level(logging.WARNING, logger="forkjax"):
+        assert engine.generate(prompts[::-1], adapters=["coder", "planner"], max_new_tokens=6) == want[::-1]
+    assert "new shape" not in caplog.text
+    with pytest.raises(ValueError, match="warmup="):
+        forkjax.Engine.from_pretrained("tiny-llama", **{**SMALL, "warmup": "later"})

@@ -90,3 +90,24 @@ def test_float32_hidden_states_match_hf_layer_by_layer(hf_suite, engine_for, kin
         for layer, (ours, theirs) in enumerate(zip(hidden, ref)):
             assert rel_err(ours, theirs) < 1e-4, (kind, layer)
         assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4
+
+
+def test_score_from_a_position_reads_the_cached_prefix(hf_suite, engine_for):
+    """score(start=k) gives HF's logits and hidden states of positions k.. and computes only
+    what the cache lacks (a cached 96-token prefix is read, not run again)."""
+    base, adapters = hf_suite["llama"]
+    engine = engine_for("llama", "float32")
+    name = list(adapters)[0]
+    hf = load_hf(base, adapter_dir=adapters[name])
+    ctx = _prompt(5, 96, engine.model_cfg.vocab_size)
+    engine.generate([ctx], adapters=[name], max_new_tokens=1)
+    prompt = ctx + _prompt(6, 24, engine.model_cfg.vocab_size)
+    before = engine.stats()["prefill_tokens_computed"]
+    logits, hidden = engine.score(prompt, adapter=name, start=100, return_hidden_states=True)
+    assert engine.stats()["prefill_tokens_computed"] - before == len(prompt) - 96
+    assert logits.shape == (len(prompt) - 100, engine.model_cfg.vocab_size)
+    assert rel_err(logits, hf_logits(hf, prompt)[100:]) < 1e-4
+    for ours, theirs in zip(hidden, hf_hidden_states(hf, prompt)):
+        assert rel_err(ours, theirs[100:]) < 1e-4
+    with pytest.raises(ValueError, match="start"):
+        engine.score(prompt, adapter=name, start=len(prompt))

@@ -37,7 +37,7 @@ DEFAULT_CPU_KV_BYTES = 256 << 20
 class Engine:
     def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
-                 use_pallas: bool | None = None, warmup: bool = True, progress: bool = True,
+                 use_pallas: bool | None = None, warmup: bool | str = True, progress: bool = True,
                  overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
                  compile_workers: int | None = None):
         self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
@@ -70,9 +70,11 @@ class Engine:
         self.step_times = dict.fromkeys(("schedule_s", "inputs_s", "dispatch_s", "device_s",
                                          "postprocess_s", "steps"), 0)
         self.warmup_s = 0.0  # seconds spent compiling every shape at start
+        if warmup not in (True, False, "background"):
+            raise ValueError(f"warmup={warmup!r}: expected True, False or 'background'")
         if warmup:
             t = time.perf_counter()
-            self.runner.warmup(progress, compile_workers)
+            self.runner.warmup(progress, compile_workers, background=warmup == "background")
             self.warmup_s = time.perf_counter() - t
 
     @classmethod
@@ -94,9 +96,10 @@ class Engine:
         request's logits are bitwise the same whatever batch it runs in, however its prompt was
         chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
         is preempted (its generated tokens' K/V are then recomputed by an extend step).
-        Extra keywords (max_model_len, max_prefill_tokens, use_pallas, warmup, progress,
-        overlap, max_wait_s, compile_workers: threads of the warm-up's compiles, default the
-        host's cores) go to the constructor."""
+        Extra keywords (max_model_len, max_prefill_tokens, use_pallas, progress, overlap,
+        max_wait_s, `warmup`: True compiles every shape before returning, "background" on other
+        threads while serving, False when a step first needs it; `compile_workers`: threads of
+        the warm-up's compiles) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras,
@@ -151,7 +154,8 @@ class Engine:
 
     def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
                     score: bool = False, *, session_id: str | None = None,
-                    fanout_adapters=None, cache_salt: str | None = None) -> Sequence:
+                    fanout_adapters=None, cache_salt: str | None = None,
+                    score_from: int = 0) -> Sequence:
         """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
 
         `session_id`: requests of one workflow; its pages are evicted after others' for a
@@ -173,6 +177,7 @@ class Engine:
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
         seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
                        fanout=fanout, prefill_whole_prompt=self.config.deterministic)
+        seq.score_from = score_from
         self.scheduler.add(seq)
         return seq
 
@@ -310,25 +315,31 @@ class Engine:
             raise
         return [list(s.output) for s in seqs]
 
-    def score(self, prompt_ids, adapter=None, *, cache_salt: str | None = None,
+    def score(self, prompt_ids, adapter=None, *, start: int = 0, cache_salt: str | None = None,
               return_hidden_states: bool = False):
-        """[len(prompt), vocab] float32 logits of every prompt position, computed through the
-        cache: positions the cache holds are read from it (another agent's shared base under
-        `forkkv`), only misses are written. `return_hidden_states`: also [L + 1, len(prompt),
-        d] float32 hidden states, as HF's `output_hidden_states` (the embeddings, every layer's
-        output but the last, the final normed state) -> (logits, hidden)."""
+        """[len(prompt) - start, vocab] float32 logits of prompt positions start.., computed
+        through the cache: positions the cache holds are read from it (another agent's shared
+        base under `forkkv`), only misses are written; positions below `start` that the cache
+        holds are not recomputed (a long shared context is then read, not run again).
+        `return_hidden_states`: also [L + 1, len(prompt) - start, d] float32 hidden states of the
+        same positions, as HF's `output_hidden_states` (the embeddings, every layer's output but
+        the last, the final normed state) -> (logits, hidden)."""
+        n = len(prompt_ids)
+        if not isinstance(start, int) or not 0 <= start < max(n, 1):
+            raise ValueError(f"start={start!r}: expected an int in [0, {n})")
         seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, score_from=start)
         seq.return_hidden = return_hidden_states
         try:
             self._run_until_done([seq])
         except BaseException:
             self.abort(seq)
             raise
-        logits = np.concatenate(seq.prompt_logits, axis=0).astype(np.float32)
+        # The request computed from start or from where the cache ran out, whichever came first.
+        logits = np.concatenate(seq.prompt_logits, axis=0)[-(n - start):].astype(np.float32)
         if not return_hidden_states:
             return logits
-        return logits, np.concatenate(seq.prompt_hidden, axis=1)
+        return logits, np.concatenate(seq.prompt_hidden, axis=1)[:, -(n - start):]
 
     def stats(self) -> dict:
         """DESIGN.md §3's keys and more; counters run from start-up or the last reset_stats()."""

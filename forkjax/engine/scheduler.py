@@ -207,7 +207,7 @@ class Scheduler:
         if not seq.admitted:
             seq.first_admitted = time.monotonic()
         seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
-        seq.num_computed = 0 if seq.score else min(h.cached_len, len(seq) - 1)
+        seq.num_computed = min(h.cached_len, seq.score_from if seq.score else len(seq) - 1)
         seq.pending_copies = ([], [])
         seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size, seq.page_hashes)
         self.inflight.register(seq, seq.num_computed, len(seq.prompt))

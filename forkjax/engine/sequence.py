@@ -58,7 +58,8 @@ class Sequence:
         self.prompt = list(prompt)
         self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
         self.params = params
-        self.score = score  # compute every prompt position and keep its logits
+        self.score = score  # compute prompt positions and keep their logits
+        self.score_from = 0  # a score request computes from here, or from where the cache ends
         # Deterministic mode: every prompt token, the last one included, is computed by an extend
         # step, even when the cache holds all but it (by default a decode step computes it then).
         self.prefill_whole_prompt = prefill_whole_prompt
