@@ -86,6 +86,25 @@ def test_smollm2_answers_with_its_chat_template(engine):
     assert "Paris" in engine.tokenizer.decode(out)
 
 
+def test_trained_agents_do_their_tasks(engine):
+    """The built-in's trained agents (scripts/train_agents.py) load by default and each does its
+    task on a directory it has not seen: 4 questions each, greedy, under `prefix`."""
+    from forkjax.models.builtin import trained_adapters
+    from forkjax.workflows import tasks
+    assert set(engine.slots.by_name) >= set(tasks.ROLES)
+    assert set(trained_adapters("smollm2-135m", shared_a=True)) == set(tasks.ROLES)
+    tok = engine.tokenizer.tok
+    rng = np.random.default_rng(123)
+    records = tasks.directory(rng, 8)
+    prompts = [tasks.make_prompt(tok, role, records, rng) for role in tasks.ROLES for _ in range(4)]
+    outs = engine.generate([p.context + p.task for p in prompts], adapters=[p.role for p in prompts],
+                           max_new_tokens=40)
+    for role in tasks.ROLES:
+        got = [tasks.correct(p.role, tok.decode(o, skip_special_tokens=True), p.expected)
+               for p, o in zip(prompts, outs) if p.role == role]
+        assert sum(got) >= 3, (role, got)
+
+
 # ---- GGUF files written here ------------------------------------------------------------
 
 # HF -> llama.cpp names, written out independently of forkjax.models.gguf's table

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.lora.peft import LoraAdapter, load_peft_adapter
-from forkjax.models.builtin import BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin
+from forkjax.models.builtin import (BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin,
+                                    trained_adapters)
 from forkjax.models.gguf import PACKAGED, GGUFCheckpoint, is_gguf, packaged_path
 from forkjax.models.loader import load_checkpoint, load_strict
 from forkjax.models.transformer import ALWAYS_LORA, LORA_TARGETS
@@ -30,6 +31,8 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
                               lora_targets=lora_targets(loaded, cfg.lora_target_modules))
         return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
     if isinstance(model, str) and model in PACKAGED:
+        if adapters is None:
+            adapters = trained_adapters(model)
         model = packaged_path(model)
     if is_gguf(model):
         ckpt = GGUFCheckpoint(os.fspath(model))

