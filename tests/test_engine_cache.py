@@ -188,3 +188,61 @@ def test_request_that_can_never_fit_fails_and_engine_keeps_serving():
     with pytest.raises(ValueError, match="whole base pool"):
         engine.generate([_prompt(1, 400)], max_new_tokens=4)
     assert len(engine.generate([_prompt(2, 20)], adapters="coder", max_new_tokens=4)[0]) == 4
+
+
+def _shared_kv_reference(base, writer_dir, reader_dir, context, prompt, policy):
+    """float64 HF + PEFT logits of the reader on `prompt` when the K/V rows of `context` are
+    what `policy` gives it after the writer computed `context`: forkkv x_w·W + x_r·A_r·B_r,
+    forkkv+fanout x_w·W + x_w·A_r·B_r, full_reuse x_w·W + x_w·A_w·B_w (x_w: the writer's
+    hidden states, x_r: the reader's own), by hooks on the k/v projections."""
+    writer, reader = load_hf(base, adapter_dir=writer_dir), load_hf(base, adapter_dir=reader_dir)
+    n = len(context)
+
+    def projections(model):  # [((layer, k|v), module)]
+        layers = model.base_model.model.model.layers
+        return [((i, j), mod) for i, layer in enumerate(layers)
+                for j, mod in enumerate((layer.self_attn.k_proj, layer.self_attn.v_proj))]
+
+    x_w, whole_w, base_w = {}, {}, {}  # (layer, k|v) -> the writer's input, output, base part
+    hooks = []
+    for key, mod in projections(writer):
+        def keep(m, args, out, key=key):
+            x_w[key], whole_w[key] = args[0], out
+        def keep_base(m, args, out, key=key):
+            base_w[key] = out
+        hooks += [mod.register_forward_hook(keep),
+                  getattr(mod, "base_layer", mod).register_forward_hook(keep_base)]
+    with torch.no_grad():
+        writer(torch.tensor([context]))
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        for key, mod in projections(reader):
+            if policy == "forkkv":  # the base part is the writer's
+                mod, rows = getattr(mod, "base_layer", mod), base_w[key]
+            elif policy == "forkkv+fanout":  # the reader's projection of the writer's x
+                rows = mod(x_w[key])
+            else:  # full_reuse: the writer's whole K/V
+                rows = whole_w[key]
+            mod.register_forward_hook(lambda m, a, out, rows=rows: torch.cat([rows, out[:, n:]], 1))
+        return reader(torch.tensor([prompt])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("policy", ["forkkv", "forkkv+fanout", "full_reuse"])
+def test_a_fork_of_another_agents_prefix_matches_the_reference(hf_suite, policy):
+    """An agent reading a 64-token prefix (four whole pages) another agent computed gets the
+    logits of an independent float64 reference that builds its K/V rows as the policy says."""
+    base, adapters = hf_suite["llama"]
+    context = _prompt(21, 64, 203)
+    prompt = context + _prompt(22, 30, 203)
+    engine = forkjax.Engine.from_pretrained(
+        base, adapters={w: adapters[w] for w in ("all4rs", "qkvo8")}, dtype="float32",
+        cache_policy=policy.removesuffix("+fanout"), **SMALL)
+    fan = ["qkvo8"] if policy == "forkkv+fanout" else None
+    engine.generate([context], adapters=["all4rs"], max_new_tokens=1, fanout_adapters=fan)
+    got = engine.score(prompt, adapter="qkvo8")
+    assert engine.stats()["base_hit_tokens"] >= 64
+    ref = _shared_kv_reference(base, adapters["all4rs"], adapters["qkvo8"], context, prompt, policy)
+    assert rel_err(got, ref) < 1e-4
+    exact = hf_logits(load_hf(base, adapter_dir=adapters["qkvo8"]), prompt)
+    assert rel_err(got, exact) > 1e-3  # the shared rows do change the reader's logits
