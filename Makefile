@@ -20,8 +20,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
+# SmolLM2-135M-Instruct and its trained agents; ARGS="--model tiny-llama" (a later --model wins)
 serve: $(STAMP)
-	$(PY) -m forkjax.serve $(ARGS)
+	$(PY) -m forkjax.serve --model smollm2-135m $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,9 +1,13 @@
-"""Server start-up: seconds from launching `python -m forkjax.serve` to /health answering and to
-the first chat completion, with an empty compile cache.
+"""Start-up: seconds from launching `python -m forkjax.serve` to /health answering and to the
+first chat completion, with an empty compile cache; with --engine, the same in a fresh Python
+process without HTTP (`Engine.from_pretrained` and one `generate`: the GPU machine has no HTTP
+stack), and also when the background warm-up finishes.
 
     python scripts/bench_startup.py --model smollm2-135m --out startup.json
+    python scripts/bench_startup.py --engine --model llama3-8b-random --out startup.json
 
 The server's own log (weights, lowering, compiling) is kept beside the JSON as startup.log.
+Flags after `--` go to forkjax.serve (e.g. `-- --warmup full`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,58 @@ def _get(url: str, body: dict | None = None, timeout: float = 2.0):
         return json.loads(r.read() or b"null")
 
 
+# --engine: run in a fresh interpreter, so imports and compiles all count.
+_ENGINE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+import forkjax
+model, warmup = sys.argv[1], {"background": "background", "full": True, "none": False}[sys.argv[3]]
+engine = forkjax.Engine.from_pretrained(model, warmup=warmup, progress=False)
+ready = time.perf_counter() - t0
+if engine.tokenizer is not None and hasattr(engine.tokenizer, "tok"):
+    prompt = engine.tokenizer.tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+else:
+    prompt = list(range(1000, 1030))
+out = engine.generate([prompt], max_new_tokens=16)[0]
+first = time.perf_counter() - t0
+while not engine.runner.warm and warmup:
+    time.sleep(0.1)
+print(json.dumps(dict(ready_s=ready, first_answer_s=first, warm_s=time.perf_counter() - t0,
+                      answer=engine.tokenizer.decode(out) if engine.tokenizer else out,
+                      backend=jax.default_backend())))
+"""
+
+
+def engine_startup(args, cache: str, log) -> dict:
+    warmup = next((a.split("=")[1] for a in args.args if a.startswith("--warmup=")), "background")
+    run = subprocess.run([sys.executable, "-c", _ENGINE, args.model, cache, warmup],
+                         stdout=subprocess.PIPE, stderr=log, text=True, timeout=args.limit)
+    if run.returncode:
+        sys.exit(f"the engine exited with {run.returncode}: see the log")
+    return dict(json.loads(run.stdout.strip().splitlines()[-1]), warmup=warmup)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--out", default="startup.json")
     ap.add_argument("--limit", type=float, default=600, help="seconds to wait for the server")
+    ap.add_argument("--engine", action="store_true", help="in-process engine, no HTTP server")
     ap.add_argument("args", nargs="*", help="more flags for forkjax.serve (after --)")
     args = ap.parse_args()
+    if args.engine:
+        with tempfile.TemporaryDirectory() as cache, open(os.path.splitext(args.out)[0] + ".log", "w") as log:
+            result = dict(engine_startup(args, cache, log), model=args.model, mode="engine",
+                          cpu_count=os.cpu_count(), command=" ".join(sys.argv))
+        print(json.dumps(result, indent=1))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     base = f"http://127.0.0.1:{args.port}"
     log_path = os.path.splitext(args.out)[0] + ".log"
     with tempfile.TemporaryDirectory() as cache, open(log_path, "w") as log:
@@ -60,7 +108,7 @@ def main():
         finally:
             server.terminate()
             server.wait(60)
-    result = dict(model=args.model, ready_s=ready, first_answer_s=first, cpu_count=os.cpu_count(),
+    result = dict(model=args.model, mode="server", ready_s=ready, first_answer_s=first, cpu_count=os.cpu_count(),
                   answer=reply["choices"][0]["message"]["content"], command=" ".join(sys.argv))
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
