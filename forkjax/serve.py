@@ -44,6 +44,7 @@ import uvicorn
 
 import forkjax
 from forkjax.engine.compiler import COMPILER
+from forkjax.engine.engine import WARMUP_MODES
 from forkjax.server.app import create_app
 from forkjax.server.engine_loop import EngineLoop, display_path
 
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="projections with LoRA slots, e.g. q_proj k_proj v_proj o_proj (default: "
                         "those the --lora adapters target; all when none are given)")
-    p.add_argument("--warmup", default="background", choices=("background", "full", "none"),
+    p.add_argument("--warmup", default="background", choices=tuple(WARMUP_MODES),
                    help="when the step programs compile (%(default)s)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each step before scheduling the next (default: overlap them)")
@@ -138,9 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-WARMUP = {"background": "background", "full": True, "none": False}
-
-
 def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None):
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
-            warmup=WARMUP[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
+            warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")
     loop = EngineLoop(engine)

@@ -36,7 +36,8 @@ t0 = time.perf_counter()
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
 import forkjax
-model, warmup = sys.argv[1], {"background": "background", "full": True, "none": False}[sys.argv[3]]
+from forkjax.engine.engine import WARMUP_MODES
+model, warmup = sys.argv[1], WARMUP_MODES[sys.argv[3]]
 engine = forkjax.Engine.from_pretrained(model, warmup=warmup, progress=False)
 ready = time.perf_counter() - t0
 if engine.tokenizer is not None and hasattr(engine.tokenizer, "tok"):

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from forkjax.models.builtin import ADAPTERS_DIR
 from forkjax.models.gguf import GGUFCheckpoint, packaged_path
 from forkjax.workflows import tasks
 
@@ -120,7 +121,7 @@ def _to_bfloat16(path: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="forkjax/models/adapters/smollm2-135m")
+    ap.add_argument("--out", default=os.path.join(ADAPTERS_DIR, "smollm2-135m"))
     ap.add_argument("--roles", default=",".join(tasks.ROLES))
     ap.add_argument("--sets", default="own,shared-a")
     ap.add_argument("--rank", type=int, default=8)

@@ -32,6 +32,8 @@ from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots, check_fits, slot_rank, write_slot
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
+# `warmup` by the name `python -m forkjax.serve --warmup` gives it
+WARMUP_MODES = {"background": "background", "full": True, "none": False}
 
 
 class Engine:
@@ -176,8 +178,8 @@ class Engine:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
         seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
-                       fanout=fanout, prefill_whole_prompt=self.config.deterministic)
-        seq.score_from = score_from
+                       fanout=fanout, prefill_whole_prompt=self.config.deterministic,
+                       score_from=score_from)
         self.scheduler.add(seq)
         return seq
 

@@ -53,13 +53,14 @@ class SamplingParams:
 class Sequence:
     def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
                  params: SamplingParams, score: bool = False, *, session_id: str | None = None,
-                 fanout: dict[int, object] | None = None, prefill_whole_prompt: bool = False):
+                 fanout: dict[int, object] | None = None, prefill_whole_prompt: bool = False,
+                 score_from: int = 0):
         self.id = next(_ids)
         self.prompt = list(prompt)
         self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
         self.params = params
         self.score = score  # compute prompt positions and keep their logits
-        self.score_from = 0  # a score request computes from here, or from where the cache ends
+        self.score_from = score_from  # a score request computes from here, or where the cache ends
         # Deterministic mode: every prompt token, the last one included, is computed by an extend
         # step, even when the cache holds all but it (by default a decode step computes it then).
         self.prefill_whole_prompt = prefill_whole_prompt
