@@ -1,4 +1,5 @@
-"""The Engine contract of DESIGN.md §3 on the built-in models (no files needed)."""
+"""The Engine contract of docs/design.md, Public contracts, on the built-in models (no files
+needed)."""
 
 import time
 

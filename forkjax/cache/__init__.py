@@ -1,4 +1,4 @@
-"""Disaggregated paged KV cache (ForkKV §5.2, DESIGN.md §1–§2).
+"""Disaggregated paged KV cache (ForkKV §5.2; docs/design.md, The idea and Policies).
 
 Two page pools (pool.py): the base pool holds x·W K/V (RoPE on K), the residual pool x·A_k and
 x·A_v. Each pool has a host allocator with refcounts (allocator.py) and a radix tree

@@ -146,7 +146,8 @@ class DualRadixCache:
                    if tree is not None)
 
     def stats(self) -> dict:
-        """DESIGN.md §3 cache keys (the engine adds decode_batch_size_mean) plus accounting extras.
+        """The cache keys of docs/design.md, Public contracts (the engine adds
+        decode_batch_size_mean), plus accounting extras.
 
         agent_bytes[adapter]: bytes only that adapter can read (its namespaces in either tree plus
         its running requests' private pages); shared_bytes: bytes in SHARED namespaces. Together

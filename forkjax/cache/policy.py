@@ -1,4 +1,5 @@
-"""The four cache policies of DESIGN.md §2 as configurations of one pair of radix trees.
+"""The four cache policies (docs/design.md, Policies) as configurations of one pair of radix
+trees.
 
 A policy only decides which *namespace* a request's tokens are looked up in, per tree:
 

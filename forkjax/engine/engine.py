@@ -1,4 +1,5 @@
-"""The public `Engine` (DESIGN.md §3): paged dual KV cache, continuous batching, multi-LoRA.
+"""The public `Engine` (docs/design.md, Public contracts): paged dual KV cache, continuous
+batching, multi-LoRA.
 
     step():  batch = scheduler.schedule(); launch(batch); postprocess(the previous launch)
 
@@ -344,7 +345,8 @@ class Engine:
         return logits, np.concatenate(seq.prompt_hidden, axis=1)[:, -(n - start):]
 
     def stats(self) -> dict:
-        """DESIGN.md §3's keys and more; counters run from start-up or the last reset_stats()."""
+        """The keys of docs/design.md, Public contracts, and more; counters run from start-up
+        or the last reset_stats()."""
         s = self.cache.stats()
         names = {a.content_hash: n for n, (_, a) in self.slots.by_name.items()}
         s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}

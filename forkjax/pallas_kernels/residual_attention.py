@@ -546,7 +546,8 @@ def residual_attention_decode(
     swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
     kernel=None,  # "triton", "mosaic" (mgpu_decode.py) or None (see below)
 ):
-    """ResidualAttention for one new token per request -> [B, Hq, D] (DESIGN §3).
+    """ResidualAttention for one new token per request -> [B, Hq, D] (docs/design.md,
+    Public contracts).
 
     kernel=None: on the GPU the Mosaic GPU kernel (warp-specialised; 1.24x the unified path at
     B=32, L=8k against the Triton kernel's 1.6x, BENCHMARKS.md) serves the shapes it supports
