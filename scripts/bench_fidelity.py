@@ -3,7 +3,11 @@
 agent computed first (forkjax/workflows/tasks.py), on the CPU.
 
     python scripts/bench_fidelity.py --quick --out /tmp/fidelity        # ~6 min on 2 cores
-    python scripts/bench_fidelity.py --out /tmp/fidelity                # 1k/2k/4k: ~50 min
+    python scripts/bench_fidelity.py --out /tmp/fidelity                # 1k/2k/4k: ~35 min
+    # the rank sweep: agents of other ranks first (train_agents.py), then every set in one run
+    python scripts/train_agents.py --rank 4 --sets own --steps 80 --out /tmp/agents-r4
+    python scripts/bench_fidelity.py --adapters forkjax/models/adapters/smollm2-135m,/tmp/agents-r4 \
+        --contexts 1024 --directories 2 --policies forkkv,full_reuse --out /tmp/fidelity-rank
 
 Per directory one agent (the writer, each role in turn) prefills the directory; every other agent
 (a reader) then asks `--tasks` questions on it. `prefix` is exact: every reader computes its own
@@ -14,11 +18,13 @@ K/V. `forkkv`: the readers read the writer's base K/V and compute their own resi
 readers' answers: task accuracy, mean KL(exact || policy) of the next-token distributions at
 the answer positions (teacher-forced on the expected answer) and top-1 agreement there, the
 share of greedy answers equal to exact's, and per layer the mean cosine similarity of the
-hidden states at those positions with exact's (ForkKV Fig. 5). Float32 throughout, so the
-differences are the policies' own.
+hidden states at those positions with exact's (ForkKV Fig. 5). `base` is the base model without
+any adapter against exact: the adapters' own effect on the answers, the scale of every other
+row's loss. Float32 throughout, so the differences are the policies' own.
 
-Writes DIR/fidelity.json ({"policies": {name: {...}}, "sweep": [...], ...}: the sweep is every
-policy at every context length run) and DIR/fidelity.png, DIR/layer_cosine.png.
+Writes DIR/fidelity.json ({"policies": {name: {...}}, "sweep": [...], ...}: `policies` is the
+first adapter set over every context, the sweep every policy at every (rank, context length) run)
+and DIR/fidelity.png, DIR/layer_cosine.png, DIR/sweep.png (loss against context length and rank).
 """
 
 from __future__ import annotations
@@ -36,13 +42,13 @@ import forkjax
 from forkjax.models.builtin import trained_adapters
 from forkjax.workflows import tasks
 
-POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared")
+POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared", "base")
 EXACT = {"prefix": "prefix", "forkkv": "prefix", "forkkv+fanout": "prefix", "full_reuse": "prefix",
-         "lrshared": "prefix/shared-a"}  # policy -> the exact run it is compared against
+         "lrshared": "prefix/shared-a", "base": "prefix"}  # policy -> the exact run it is compared against
 
 
 def build_engine(policy: str, adapters: dict, max_len: int, args):
-    cache = "prefix" if policy.startswith("prefix") else policy.removesuffix("+fanout")
+    cache = "prefix" if policy in ("prefix", "base") else policy.removesuffix("+fanout")
     # One residual share for every residual policy: equal pool shapes, so they share programs.
     return forkjax.Engine.from_pretrained(
         "smollm2-135m", adapters=adapters, cache_policy=cache, dtype="float32",
@@ -79,10 +85,11 @@ def run_policy(policy: str, adapters: dict, args) -> list[dict]:
             for _ in range(args.tasks):
                 p = tasks.make_prompt(tok, reader, records, rng, context=ctx)
                 prompt = p.context + p.task
-                ids = engine.generate([prompt], adapters=[reader], max_new_tokens=len(p.answer) + 8,
+                agent = None if policy == "base" else reader
+                ids = engine.generate([prompt], adapters=[agent], max_new_tokens=len(p.answer) + 8,
                                       fanout_adapters=[] if policy == "forkkv+fanout" else None)[0]
                 start = len(prompt) - 1
-                logits, hidden = engine.score(prompt + p.answer, adapter=reader, start=start,
+                logits, hidden = engine.score(prompt + p.answer, adapter=agent, start=start,
                                               return_hidden_states=True)
                 a = len(p.answer)
                 logp = logits[:a] - np.logaddexp.reduce(logits[:a], axis=-1, keepdims=True)
@@ -118,7 +125,9 @@ def main(argv=None):
     ap.add_argument("--directories", type=int, default=1, help="directories per length")
     ap.add_argument("--tasks", type=int, default=3, help="questions per reader and directory")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--adapters", default=None, help="the trained agents' directory (built-in's)")
+    ap.add_argument("--adapters", default=None,
+                    help="trained agents' directories, comma-separated (default: the built-in's); "
+                         "the first gives `policies`, all of them the sweep (e.g. other ranks)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="fidelity_out")
@@ -129,35 +138,47 @@ def main(argv=None):
     policies = [p for p in args.policies.split(",") if p]
     if bad := [p for p in policies if p not in POLICIES]:
         sys.exit(f"--policies: unknown {bad}: expected names among {', '.join(POLICIES)}")
-    own = trained_adapters("smollm2-135m", root=args.adapters)
-    shared = trained_adapters("smollm2-135m", shared_a=True, root=args.adapters)
+    sets = []  # (own agents, shared-A agents) per --adapters directory
+    for root in args.adapters.split(",") if args.adapters else [None]:
+        own = trained_adapters("smollm2-135m", root=root)
+        shared = trained_adapters("smollm2-135m", shared_a=True, root=root)
+        if not own:
+            sys.exit(f"--adapters {root}: no trained agents (<role>/adapter_config.json) there")
+        if "lrshared" in policies and not shared:
+            sys.exit(f"--adapters {root}: no shared-a/ agents for lrshared; leave it out of --policies")
+        sets.append((own, shared))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    runs, seconds = {}, {}
-    for name in ["prefix", *(["prefix/shared-a"] if "lrshared" in policies else []),
-                 *[p for p in policies if p != "prefix"]]:
-        t = time.perf_counter()
-        runs[name] = run_policy(name.split("/")[0], shared if name in ("lrshared", "prefix/shared-a")
-                                else own, args)
-        seconds[name] = time.perf_counter() - t
-        print(f"{name}: {seconds[name]:.0f} s", flush=True)
     result = dict(model="smollm2-135m", dtype="float32", contexts=args.contexts,
                   directories=args.directories, tasks_per_reader=args.tasks,
-                  command=" ".join(["python", *sys.argv]), seconds=seconds,
-                  total_s=time.perf_counter() - t0, policies={}, sweep=[])
-    for name in ["prefix/shared-a", *policies] if "lrshared" in policies else policies:
-        exact = runs[EXACT.get(name, name)]
-        result["policies"][name] = compare(runs[name], exact)
-        for n in args.contexts:
-            pick = [i for i, r in enumerate(runs[name]) if r["context"] == n]
-            m = compare([runs[name][i] for i in pick], [exact[i] for i in pick])
-            result["sweep"].append(dict(policy=name, context=n, rank=adapter_rank(own), **m))
+                  command=" ".join(["python", *sys.argv]), seconds={}, policies={}, sweep=[])
+    # The exact runs first: every other policy is compared against one of them.
+    names = ["prefix", *(["prefix/shared-a"] if "lrshared" in policies else []),
+             *[p for p in policies if p != "prefix"]]
+    for k, (own, shared) in enumerate(sets):
+        rank, runs = adapter_rank(own), {}
+        for name in names:
+            t = time.perf_counter()
+            runs[name] = run_policy(name.split("/")[0], shared if name in ("lrshared", "prefix/shared-a")
+                                    else own, args)
+            result["seconds"][f"{name}, rank {rank}"] = time.perf_counter() - t
+            print(f"{name}, rank {rank}: {time.perf_counter() - t:.0f} s", flush=True)
+        for name in names:
+            exact = runs[EXACT.get(name, name)]
+            if k == 0:
+                result["policies"][name] = compare(runs[name], exact)
+            for n in args.contexts:
+                pick = [i for i, r in enumerate(runs[name]) if r["context"] == n]
+                m = compare([runs[name][i] for i in pick], [exact[i] for i in pick])
+                result["sweep"].append(dict(policy=name, context=n, rank=rank, **m))
+    result["total_s"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "fidelity.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, args.out)
-    for name, m in result["policies"].items():
-        print(f"{name:16s} accuracy {m['accuracy']:.3f}  KL {m['kl']:.4f}  top-1 {m['top1']:.3f}  "
-              f"greedy {m['greedy_agreement']:.3f}  last-layer cosine {m['layer_cosine'][-1]:.4f}")
+    for r in result["sweep"]:
+        print(f"{r['policy']:16s} rank {r['rank']:2d} {r['context']:5d} tokens: accuracy "
+              f"{r['accuracy']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  greedy "
+              f"{r['greedy_agreement']:.3f}  last-layer cosine {r['layer_cosine'][-1]:.4f}")
 
 
 def adapter_rank(adapters: dict) -> int:
@@ -171,10 +192,10 @@ def plot(result: dict, out: str):
     import matplotlib.pyplot as plt
     names = list(result["policies"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    for n in result["contexts"]:
-        rows = {r["policy"]: r for r in result["sweep"] if r["context"] == n}
-        a.plot(names, [rows[p]["accuracy"] for p in names], marker="o", label=f"{n} tokens")
-        b.plot(names, [rows[p]["kl"] for p in names], marker="o", label=f"{n} tokens")
+    for rank, n in dict.fromkeys((r["rank"], r["context"]) for r in result["sweep"]):
+        rows = {r["policy"]: r for r in result["sweep"] if (r["rank"], r["context"]) == (rank, n)}
+        a.plot(names, [rows[p]["accuracy"] for p in names], marker="o", label=f"rank {rank}, {n} tokens")
+        b.plot(names, [rows[p]["kl"] for p in names], marker="o", label=f"rank {rank}, {n} tokens")
     a.set_ylabel("task accuracy")
     b.set_ylabel("KL(exact || policy), answer positions")
     b.set_yscale("symlog", linthresh=1e-4)
@@ -193,6 +214,23 @@ def plot(result: dict, out: str):
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "layer_cosine.png"), dpi=120)
+    # ForkKV Fig. 15's shape: loss against context length (first rank) and LoRA rank (first length)
+    sweep = result["sweep"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for ax, (key, other) in zip(axes, (("context", "rank"), ("rank", "context"))):
+        fixed = sweep[0][other]
+        for p in names:
+            pts = sorted((r[key], r["kl"]) for r in sweep if r["policy"] == p and r[other] == fixed)
+            ax.plot(*zip(*pts), marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        xs = sorted({r[key] for r in sweep if r[other] == fixed})
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel(f"{'context tokens' if key == 'context' else 'LoRA rank'} ({other} {fixed})")
+        ax.set_ylabel("KL(exact || policy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "sweep.png"), dpi=120)
     plt.close("all")
 
 
