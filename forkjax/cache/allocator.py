@@ -65,9 +65,6 @@ class PageAllocator:
         self._top += freed.size
         return int(freed.size)
 
-    def free_pages(self) -> np.ndarray:
-        return self._free[: self._top].copy()
-
     def check(self) -> None:
         free = self._free[: self._top]
         assert self.refcount[0] == 0, "the sink page was handed out"

@@ -8,8 +8,8 @@ projections reading the same input are stored stacked as vLLM does (`qkv_proj` =
 
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives the q|k|v projection (`QKV`) and builds q
-and the (base, residual) K and V pairs from it: the dense reference, the paged kernels in the
-engine.
+and the (base, residual) K and V pairs from it: the engine's paged attention
+(engine/paged_attention.py).
 """
 
 from __future__ import annotations
