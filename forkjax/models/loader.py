@@ -5,7 +5,7 @@ a silently half-loaded model is the worst outcome for parity. Parameters keep HF
 layout, so loading is a name lookup plus a dtype cast over memory-mapped files (and the row
 concatenation of the projections the model stores stacked). There is no
 converted form, hence no conversion cache: a second load costs what the first did, the time to
-read the file (measured in BENCHMARKS.md). LoRA slots start at zero; `forkjax.lora` fills them.
+read the file (BENCHMARKS.md, "Checkpoint loading"). LoRA slots start at zero; `forkjax.lora` fills them.
 """
 
 from __future__ import annotations
