@@ -8,7 +8,7 @@ running requests for more than one step.
 
 Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
 (`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
-the trees when its step is done (`Engine._postprocess`), so requests admitted together share what
+the trees when its step is done (output_processor.py), so requests admitted together share what
 the first of them computes (inflight.py). A running request that cannot get a page preempts the
 one of the youngest workflow (its pages go back, it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
