@@ -1,4 +1,4 @@
-"""Decode-shaped projections on the GPU: separate vs fused weights (a diagnostic for issue 5).
+"""Decode-shaped projections on the GPU: separate vs fused weights (a diagnostic).
 
     PYTHONPATH=. python3 scripts/diag_decode_gemms.py --out $OUT [--m 64] [--cases o,down]
         [--options '{"xla_gpu_enable_triton_gemm": false}']   # extra XLA compiler options
@@ -28,7 +28,7 @@ LAYERS = 8
 XW = (((1,), (1,)), ((), ()))
 
 
-def dot(x, w):  # x [M, in], w [out, in] -> [M, out], as forkjax.models.layers.linear
+def dot(x, w):  # x [M, in], w [out, in] -> [M, out], as forkjax.linear.linear
     return jax.lax.dot_general(x, w, XW, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Weights read into L2 just before their decode GEMM, on a second stream (a diagnostic, issue 5).
+"""Weights read into L2 just before their decode GEMM, on a second stream (a diagnostic).
 
     PYTHONPATH=. python3 scripts/diag_l2_prefetch.py --out $OUT [--part a,b]
 
@@ -40,7 +40,7 @@ GEMMS = {  # name -> (out rows incl. LoRA A rows, in)
 MIB = 1 << 20
 
 
-def dot(x, w):  # x [M, in], w [out, in] -> [M, out] bf16, as forkjax.models.layers.linear
+def dot(x, w):  # x [M, in], w [out, in] -> [M, out] bf16, as forkjax.linear.linear
     return lax.dot_general(x, w, XW, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

@@ -14,6 +14,7 @@ import json
 import jax
 
 import forkjax
+from forkjax.engine.input_batch import dummy_inputs
 from forkjax.engine.model_runner import _step
 
 
@@ -29,10 +30,10 @@ def main():
         r = e.runner
         for use_pallas in ((True, False) if jax.default_backend() == "gpu" else (False,)):
             for kind, b, c in (("decode", 4, 1), ("extend", 1, 64)):
-                inputs, samp = r._dummy(b, c)
-                m = _step.lower(r.graphdef, r.state_def, r.state_leaves, r.pools, inputs, samp, kind=kind,
-                                all_logits=False,
-                                residual=r.residual, use_pallas=use_pallas).compile().memory_analysis()
+                inputs, _ = dummy_inputs(b, c, r.buckets.width(1), r.num_slots, r.fanout)
+                m = _step.lower(r.graphdef, r.state_def, r.state_leaves, r.pools, inputs, r.prev_tokens,
+                                kind=kind, all_logits=False, hidden=False, residual=r.residual,
+                                use_pallas=use_pallas).compile().memory_analysis()
                 row = dict(policy=policy, pallas=use_pallas, kind=kind, pool_GB=r.layout.nbytes / 1e9,
                            temp_GB=m.temp_size_in_bytes / 1e9, alias_GB=m.alias_size_in_bytes / 1e9)
                 rows.append(row)

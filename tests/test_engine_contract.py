@@ -89,15 +89,15 @@ def test_load_replace_and_unload_adapter(tiny, hf_suite):
 def test_lora_target_modules_are_inferred_and_enforced():
     from forkjax.config import ModelConfig
     from forkjax.lora.slots import lora_modules
+    from forkjax.lora.targets import TARGETS
     from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
-    from forkjax.models.transformer import LORA_TARGETS
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
     attn_only = {"a": random_adapter("a", cfg, 8, 16, ("q_proj", "o_proj"), seed=5)}
     kw = dict(SMALL, adapters=attn_only, dtype="float32", cache_policy="prefix")
     lean = forkjax.Engine.from_pretrained("tiny-llama", **kw)
     assert lora_modules(lean.model) == ("q_proj", "k_proj", "v_proj", "o_proj")  # + the residual's
-    full = forkjax.Engine.from_pretrained("tiny-llama", lora_target_modules=LORA_TARGETS, **kw)
-    assert lora_modules(full.model) == LORA_TARGETS
+    full = forkjax.Engine.from_pretrained("tiny-llama", lora_target_modules=TARGETS, **kw)
+    assert lora_modules(full.model) == TARGETS
     np.testing.assert_allclose(lean.score("The plan is", adapter="a"),
                                full.score("The plan is", adapter="a"), rtol=1e-5, atol=1e-5)
     mlp = random_adapter("mlp", cfg, 4, 4, ("down_proj",), seed=6)

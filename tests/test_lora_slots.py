@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.config import ModelConfig
-from forkjax.lora.peft import TARGETS
 from forkjax.lora.slots import _projection, lora_modules, slot_rank, write_slot
+from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import BUILTIN_CONFIGS, load_builtin, random_adapter
 
 

@@ -2,9 +2,9 @@
 
 Two page pools (pool.py): the base pool holds x·W K/V (RoPE on K), the residual pool x·A_k and
 x·A_v. Each pool has a host allocator with refcounts (allocator.py) and a radix tree
-(radix_tree.py); DualRadixCache (dual_cache.py) runs both trees under one of the four policies
-(policy.py). Trees have token-granular keys and page-granular storage; only whole pages are ever
-inserted, a request's partial last page stays private to it.
+(radix_tree.py, its nodes tree_node.py); DualRadixCache (dual_cache.py) runs both trees under
+one of the four policies (policy.py). Trees have token-granular keys and page-granular storage;
+only whole pages are ever inserted, a request's partial last page stays private to it.
 
 How the engine drives one request (`h = cache.begin(prompt, adapter_key)`):
 
@@ -40,8 +40,9 @@ from forkjax.cache.dual_cache import DualRadixCache, MatchResult
 from forkjax.cache.hold import PrefixHold
 from forkjax.cache.policy import POLICIES, SHARED, CachePolicy, get_policy
 from forkjax.cache.pool import KVPools, PoolLayout, copy_index_arrays, copy_pages, write_kv
-from forkjax.cache.radix_tree import RadixTree, TreeNode
+from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.seq_cache import OutOfPages, SeqCache
+from forkjax.cache.tree_node import TreeNode
 
 __all__ = [
     "POLICIES", "SHARED", "CachePolicy", "DualRadixCache", "KVPools", "MatchResult", "OutOfPages",

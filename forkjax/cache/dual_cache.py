@@ -12,8 +12,9 @@ from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.hold import PrefixHold
 from forkjax.cache.policy import SHARED, CachePolicy, get_policy, unsalted
 from forkjax.cache.pool import PoolLayout
-from forkjax.cache.radix_tree import RadixTree, TreeNode
+from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.seq_cache import PoolSeq, SeqCache
+from forkjax.cache.tree_node import TreeNode
 
 
 @dataclass

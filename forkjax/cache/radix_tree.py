@@ -1,17 +1,7 @@
 """Radix tree over token ids whose values are pages of one pool (SGLang `RadixCache` shape).
 
-Keys are token-granular, storage is page-granular. A node spans absolute token positions
-[start, end) and holds the physical page of every page index that span touches:
-`pages[j]` stores positions [(start//S + j)·S, (start//S + j + 1)·S). When a node boundary falls
-inside a page, two nodes of one path touch that page index:
-
-* after a split, the lower node keeps using its parent's page (`shares_first`; both hold a
-  reference, the parent "owns" it for accounting);
-* after a copy-on-write fork, the new branch holds its own copy (same tokens before the fork
-  point, its own tokens after).
-
-Either way the deepest node on a path says where a position lives, and every page has exactly
-one owning node, so evictable + protected sizes count each page once.
+Keys are token-granular, storage is page-granular: tree_node.py says what a node holds and
+which node owns a page that two of them touch.
 
 Namespaces (adapter keys, or SHARED; see policy.py) get separate roots, so lookups never cross
 them. Inserted keys must be whole pages; a match may end anywhere and the caller copies the
@@ -36,50 +26,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from forkjax.cache.allocator import PageAllocator
-
-_EMPTY = np.zeros(0, np.int32)
-
-
-class TreeNode:
-    __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "hold_ref",
-                 "last_access", "shares_first", "alive")
-
-    def __init__(self, key, pages, start, parent, ns, shares_first=False):
-        self.key = key  # [n] int32 token ids of this edge
-        self.pages = pages  # [ceil(end/S) - start//S] int32 physical pages
-        self.start = start
-        self.parent = parent
-        self.children: dict[int, TreeNode] = {}  # first token id -> child
-        self.ns = ns
-        self.lock_ref = 0
-        self.hold_ref = 0  # soft locks: evicted after unheld leaves
-        self.last_access = 0
-        self.shares_first = shares_first  # pages[0] is the parent's last page
-        self.alive = True
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
-
-    @property
-    def own_pages(self) -> int:
-        return len(self.pages) - self.shares_first
-
-
-def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    neq = a[:m] != b[:m]
-    i = int(neq.argmax()) if m else 0
-    return i if m and neq[i] else m
-
-
-def _append_pages(chunks: list[np.ndarray], node: TreeNode, page_size: int) -> None:
-    if node.start % page_size:
-        # The parent's last page index is this node's first: the deeper node's page wins (the
-        # same physical page after a split, this branch's own copy after a copy-on-write fork).
-        chunks[-1] = chunks[-1][:-1]
-    chunks.append(node.pages)
-
+from forkjax.cache.tree_node import EMPTY, TreeNode, append_pages, common_prefix_len
 
 class RadixTree:
     def __init__(self, page_size: int, allocator: PageAllocator):
@@ -107,7 +54,7 @@ class RadixTree:
     def root(self, ns: Hashable) -> TreeNode:
         node = self.roots.get(ns)
         if node is None:
-            node = self.roots[ns] = TreeNode(_EMPTY, _EMPTY, 0, None, ns)
+            node = self.roots[ns] = TreeNode(EMPTY, EMPTY, 0, None, ns)
         return node
 
     def match_prefix(self, ns: Hashable, key: np.ndarray) -> tuple[int, np.ndarray, TreeNode]:
@@ -156,9 +103,9 @@ class RadixTree:
         while node.parent is not None and node is not top:
             path.append(node)
             node = node.parent
-        chunks: list[np.ndarray] = [_EMPTY]  # stands for the pages above, so a mid-page start drops nothing
+        chunks: list[np.ndarray] = [EMPTY]  # stands for the pages above, so a mid-page start drops nothing
         for n in reversed(path):
-            _append_pages(chunks, n, self.page_size)
+            append_pages(chunks, n, self.page_size)
         return np.concatenate(chunks)
 
     def _walk(self, ns, key, node=None):
@@ -167,17 +114,17 @@ class RadixTree:
         node = self.root(ns) if node is None else node
         self._clock += 1
         now = self._clock
-        chunks: list[np.ndarray] = [_EMPTY]
+        chunks: list[np.ndarray] = [EMPTY]
         pos = node.end
         while pos < len(key):
             child = node.children.get(int(key[pos]))
             if child is None:
                 break
-            n = _common_prefix_len(child.key, key[pos:])
+            n = common_prefix_len(child.key, key[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child, now)
-            _append_pages(chunks, child, self.page_size)
+            append_pages(chunks, child, self.page_size)
             node = child
             pos += n
         return pos, node, chunks
@@ -326,7 +273,7 @@ class RadixTree:
         S = self.page_size
         evictable = held = protected = count = 0
         ns_pages: dict = defaultdict(int)
-        all_pages = [_EMPTY]
+        all_pages = [EMPTY]
         for node in self._nodes():
             count += 1
             parent = node.parent

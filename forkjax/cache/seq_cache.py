@@ -21,7 +21,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from forkjax.cache.radix_tree import RadixTree, TreeNode
+from forkjax.cache.radix_tree import RadixTree
+from forkjax.cache.tree_node import TreeNode
 
 
 class OutOfPages(RuntimeError):

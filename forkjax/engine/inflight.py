@@ -38,10 +38,21 @@ def page_hashes(tokens, page_size: int, known: list[int] | None = None) -> list[
     return out
 
 
+def pool_namespaces(policy, seq) -> list[tuple[str, Hashable]]:
+    """(pool, namespace) of each pool request `seq` uses under cache `policy`, in
+    `DualRadixCache.match_all`'s order: the base, its own residual (if it keeps one), the
+    fan-out residuals."""
+    out = [("base", policy.base_ns(seq.adapter_key))]
+    if policy.res_ns(seq.adapter_key) is not None:
+        out.append(("res", policy.res_ns(seq.adapter_key)))
+    out += [("res", policy.res_ns(key)) for key in seq.fanout.values()]
+    return out
+
+
 class InflightPages:
     """{page key: id of the running request that will insert it}, and what requests ask of it.
     A request carries `page_hashes` (its tokens' chain hashes) and `key_ns` (the (pool,
-    namespace) of each pool it uses, base first: scheduler.py)."""
+    namespace) of each pool it uses, base first: `pool_namespaces`)."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.lora.peft import LoraAdapter, load_peft_adapter
+from forkjax.lora.targets import ALWAYS_LORA, TARGETS
 from forkjax.models.builtin import (BUILTIN_CONFIGS, TINY_MODELS, demo_adapters, load_builtin,
                                     trained_adapters)
 from forkjax.models.gguf import PACKAGED, GGUFCheckpoint, is_gguf, packaged_path
 from forkjax.models.loader import load_checkpoint, load_strict
-from forkjax.models.transformer import ALWAYS_LORA, LORA_TARGETS
 from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -69,21 +69,21 @@ def lora_targets(adapters: list[LoraAdapter], requested) -> tuple[str, ...]:
     """Projections that get LoRA slots: `requested`, else what the start-up adapters target (as
     SGLang infers --lora-target-modules), else all; k_proj and v_proj always (the residual)."""
     if requested is not None:
-        bad = sorted(set(requested) - set(LORA_TARGETS))
+        bad = sorted(set(requested) - set(TARGETS))
         if bad:
             raise ValueError(f"lora_target_modules: {bad} not supported "
-                             f"(supported: {', '.join(LORA_TARGETS)})")
+                             f"(supported: {', '.join(TARGETS)})")
         want = set(requested)
     elif adapters:
         want = {module for a in adapters for (_, module) in a.weights}
     else:
-        want = set(LORA_TARGETS)
+        want = set(TARGETS)
     for a in adapters:
         missing = sorted({module for (_, module) in a.weights} - want - set(ALWAYS_LORA))
         if missing:
             raise ValueError(f"adapter {a.name!r} targets {missing}, not in "
                              f"lora_target_modules={sorted(want)}")
-    return tuple(t for t in LORA_TARGETS if t in want or t in ALWAYS_LORA)
+    return tuple(t for t in TARGETS if t in want or t in ALWAYS_LORA)
 
 
 def _rank_cap(adapters: list[LoraAdapter], max_lora_rank) -> int:

@@ -1,9 +1,9 @@
 """ModelRunner: the one jit boundary. Parameters are split once; the KV pools are donated state.
 
-Shapes are bucketed (buckets.py) so a fixed set of programs serves every batch, compiled at
-start or in the background while serving (compiler.py); page tables are as wide as the bucket of
-the batch's longest request. A program compiled after warm-up logs a warning: a shape escaped
-the buckets.
+Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
+fixed set of programs serves every batch, compiled at start or in the background while serving
+(compiler.py); page tables are as wide as the bucket of the batch's longest request. A program
+compiled after warm-up logs a warning: a shape escaped the buckets.
 
 Residual fan-out adds one input, the residual slots of every adapter slot for every token
 (`PagedMeta.fan_slots`), written by the K/V write: an engine with `residual_fanout` runs (and
@@ -28,24 +28,14 @@ from tqdm.auto import tqdm
 from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.compiler import COMPILER
-from forkjax.engine.paged_attention import PagedMeta, paged_attention
+from forkjax.engine.input_batch import (StepInputs, batch_shape, build_inputs, dummy_inputs,
+                                        sampling_arrays)
+from forkjax.engine.paged_attention import paged_attention
 from forkjax.engine.sampler import SamplingArrays, greedy, sample
 from forkjax.engine.scheduler import ScheduledBatch
-from forkjax.engine.sequence import PENDING
 from forkjax.models.transformer import ForwardBatch
 
 log = logging.getLogger("forkjax")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepInputs:
-    tokens: jax.Array  # [T] int32
-    prev_rows: jax.Array  # [T] int32 row of the previous step's sampled output to use, -1: tokens
-    positions: jax.Array  # [T] int32
-    group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
-    meta: PagedMeta
-    sample_rows: jax.Array  # [B] int32 row of each request's last token
 
 
 @dataclasses.dataclass
@@ -71,9 +61,10 @@ class Fetched:
 
 
 class HashOnce:
-    """A static jit argument hashed once. jit hashes its static arguments on every call: for
-    Llama-3-8B's nnx GraphDef that is 4.3 ms (plus 1.8 ms to flatten its State, now passed as a
-    flat list); dropping both took an H200 decode step at batch 1 from 19.7 to 11.9 ms."""
+    """A static jit argument hashed once. jit hashes its static arguments on every call, and
+    hashing a large model's nnx GraphDef takes milliseconds of host time a step (for the same
+    reason the parameters go in as a flat list of leaves, not as an nnx State to flatten):
+    BENCHMARKS.md, "decode and prefill on the H200, 2026-11-30 (second session)"."""
 
     __slots__ = ("value", "_hash")
 
@@ -134,16 +125,14 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
             static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas"))
-# XLA's dot merger concatenates the weights of projections that share an input (k, v and the
-# LoRA A's) into one matrix to run one GEMM: the weights are arguments, so that concatenation ran
-# on every step (13 µs a layer at B=64 on the H200, plus transposes); off, the step was 13.60
-# against 13.90 ms.
+# XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
+# one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off
+# (BENCHMARKS.md, "decode on the H200, 2026-11-30 (eighth session)").
 _OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 _step = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
-# From 64 tokens a step's GEMMs go to cuBLAS instead of XLA's autotuned Triton GEMMs, whose picks
-# were slower from HBM there (H200, M=64: q|k|v 23.3 against 18.3 µs a layer, o 17.3 against
-# 14.2; the B=64 decode step 11.23-11.31 against 11.39-11.56 ms). Below, cuBLAS was far slower:
-# B=1 19.9 against 5.6 ms, B=16 7.24 against 6.79 (BENCHMARKS.md, tenth session).
+# Steps of 64 tokens or more run their GEMMs on cuBLAS, where XLA's autotuned Triton GEMMs are
+# slower; below 64 tokens cuBLAS is the slower one (BENCHMARKS.md, "decode on the H200,
+# 2026-12-01 (tenth session)").
 CUBLAS_FROM_TOKENS = 64
 _step_cublas = jax.jit(_forward, **_JIT,
                        compiler_options={**_OPTIONS, "xla_gpu_enable_triton_gemm": False})
@@ -153,9 +142,9 @@ def _pad_to(tokens, size: int):
     return jnp.zeros(size, jnp.int32).at[:tokens.shape[0]].set(tokens)
 
 
-# Copy-on-write is its own small program, run before a step only when that step has copies: inside
-# the step, sink-to-sink no-op copies padded to the batch cost 0.6 ms of every B=64 decode step
-# on the H200 (64 whole pages over 32 layers, twice).
+# Copy-on-write is its own small program, run before a step only when that step has copies:
+# inside the step program every step would copy a batch of padding pages (sink to sink) in every
+# layer (BENCHMARKS.md, "decode on the H200, 2026-11-30 (eighth session)").
 _copy_pages = jax.jit(copy_pages, donate_argnums=0)
 
 
@@ -222,7 +211,7 @@ class ModelRunner:
             COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
         for b in self.buckets.decode_sizes:  # sampling and copy-on-write: small programs, quick
             jax.block_until_ready(_sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
-                                                 _sampling_arrays([], b), len(self.prev_tokens)))
+                                                 sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
         self.warm = True
 
@@ -231,7 +220,8 @@ class ModelRunner:
         return (self.graphdef, self.state_def, self._program, *shape)
 
     def _lowering(self, kind, b, c, w):
-        return lambda: self._lower(kind, False, False, self._dummy(b, c, w)[0])
+        return lambda: self._lower(kind, False, False,
+                                   dummy_inputs(b, c, w, self.num_slots, self.fanout)[0])
 
     def _lower(self, kind, all_logits, hidden, inputs):
         """The step of `inputs`' shapes, lowered from shapes alone (the pools may be donated
@@ -248,18 +238,12 @@ class ModelRunner:
         logits, `hidden`: every row's hidden states). A PENDING input token is read on the
         device from the previous launch's row `seq.sample_row`, so this step can be dispatched
         before that one has finished."""
-        n = len(batch.seqs)
-        if batch.kind == "decode":
-            b, c = self.buckets.decode(n), 1
-        else:
-            b, c = self.buckets.extend(n, max(e - s for s, e in batch.chunks))
+        b, c, w = batch_shape(batch, self.buckets)
         t0 = time.perf_counter()
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
-        w = self.buckets.width(max(max(len(s.cache.base_page_table), len(s.cache.res_page_table))
-                                   for s in batch.seqs))
         fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
-        inputs, sampling = self._inputs(batch, b, c, w, fanout)
+        inputs, sampling = build_inputs(batch, b, c, w, self.num_slots, fanout)
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
             batch.kind, all_logits, hidden, inputs, (batch.kind, b, c, w, all_logits, hidden, fanout))
@@ -312,53 +296,3 @@ class ModelRunner:
                         else 1 << (n - 1).bit_length())
         self.pools = _copy_pages(self.pools, *copy_index_arrays(base_pairs, size),
                                  *copy_index_arrays(res_pairs, size))
-
-    def _inputs(self, batch: ScheduledBatch, b: int, c: int, w: int, fanout: bool):
-        t = b * c
-        tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-        prev_rows = np.full(t, -1, np.int32)
-        base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
-        fan_slots = np.zeros((t, self.num_slots), np.int32) if fanout else None
-        base_pt, res_pt = np.zeros((b, w), np.int32), np.zeros((b, w), np.int32)
-        prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        group_sizes = np.zeros(self.num_slots, np.int32)
-        rows = np.zeros(b, np.int32)
-        samp = _sampling_arrays(batch.seqs, b)
-        for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
-            if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
-                tokens[i * c], positions[i * c] = seq.token_at(s), s
-                if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
-                    prev_rows[i * c] = seq.sample_row
-                base_slots[i * c], res_slots[i * c] = seq.cache.slot_pair(s)
-            else:
-                r = slice(i * c, i * c + e - s)
-                tokens[r] = seq.tokens[s:e]
-                positions[r] = np.arange(s, e)
-                base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
-            if fanout:
-                seq.cache.fanout_slots(s, e, fan_slots[i * c:i * c + e - s])
-            bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
-            base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
-            prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot
-            group_sizes[seq.slot] += c  # a request's padding rows ride in its own group
-            rows[i] = i * c + e - s - 1
-        meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots)
-        return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
-
-    def _dummy(self, b: int, c: int, w: int):
-        t = b * c
-        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        meta = PagedMeta(z(t), z(t), z(b, w), z(b, w), z(b), np.full(b, c, np.int32), z(b),
-                         z(t, self.num_slots) if self.fanout else None)
-        return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(self.num_slots), meta, z(b)),
-                _sampling_arrays([], b))
-
-
-def _sampling_arrays(seqs, b) -> SamplingArrays:
-    temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-    top_k, seed, step = np.zeros(b, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output) + seq.pending
-    return SamplingArrays(temp, top_p, top_k, seed, step)

@@ -8,7 +8,7 @@ running requests for more than one step.
 
 Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
 (`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
-the trees when its step is done (`Engine._postprocess`), so requests admitted together share what
+the trees when its step is done (output_processor.py), so requests admitted together share what
 the first of them computes (inflight.py). A running request that cannot get a page preempts the
 one of the youngest workflow (its pages go back, it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
@@ -26,7 +26,7 @@ import numpy as np
 from forkjax.cache import DualRadixCache, OutOfPages
 from forkjax.engine.admission import Admission
 from forkjax.engine.buckets import Buckets
-from forkjax.engine.inflight import InflightPages, page_hashes
+from forkjax.engine.inflight import InflightPages, page_hashes, pool_namespaces
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 
@@ -59,15 +59,14 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
-        self.admission = Admission(cache, schedule_policy, max_wait_s)
         self.inflight = InflightPages(cache.page_size)
+        self.admission = Admission(cache, self.inflight, schedule_policy, max_wait_s)
         self.sessions = Sessions(cache, hold=self.admission.holds, ttl_s=session_ttl_s)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"
         self.num_preemptions = 0
         self.prefill_tokens_computed = 0
-        self._failed_take = None  # the admission state in which taking younger holds last failed
 
     def add(self, seq: Sequence):
         """Queue a request, or raise ValueError at once if it can never be served."""
@@ -75,19 +74,10 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens + max_new_tokens "
                              f"{seq.params.max_new_tokens} exceeds the context of {self.max_model_len}")
-        pages = -(-total // self.cache.page_size)
-        capacity = {"base": self.cache.base_tree.allocator.num_pages - 1}
-        copies = (self.cache.policy.res_ns(seq.adapter_key) is not None) + len(seq.fanout)
-        if self.cache.res_tree is not None and copies:
-            capacity["residual"] = (self.cache.res_tree.allocator.num_pages - 1) // copies
-        for pool, cap in capacity.items():
-            if pages + 1 > cap:  # +1: the copy-on-write page of a fork inside a shared page
-                raise ValueError(f"request needs {pages} pages of {self.cache.page_size} tokens plus one "
-                                 f"spare page, but the whole {pool} pool holds {cap}: raise "
-                                 f"kv_cache_bytes")
+        self.admission.check_capacity(seq, total)
         if seq.session_id is not None:
             seq.priority = self.sessions.added(seq.session_id, seq.adapter_key, seq.arrival)
-        seq.key_ns = self._namespaces(seq)
+        seq.key_ns = pool_namespaces(self.cache.policy, seq)
         self._wait(seq)
 
     @property
@@ -98,7 +88,8 @@ class Scheduler:
         """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
         self.sessions.expire()
-        self._admit()
+        self.admission.admit(self.waiting, self.running, self.max_batch_size, self.sessions,
+                             self._start)
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill and not self._last_in_flight(s)]
         batch = None
@@ -127,78 +118,6 @@ class Scheduler:
             self.waiting.append(seq)
         self.admission.on_wait(seq)
 
-    def _admit(self):
-        if not self.waiting or len(self.running) >= self.max_batch_size:
-            return
-        room, blocked = None, []
-        for seq in self.admission.order(self.waiting, self.inflight.pages_for):
-            if len(self.running) >= self.max_batch_size:
-                return
-            need = self.admission.need(seq, self.inflight.pages_for)
-            if self.running:
-                if room is None:
-                    room = self._room()
-                fits = need[0] <= room[0] and need[1] <= room[1]
-            else:  # nothing else will free pages: holds give way
-                fits = True
-            if fits:
-                self._start(seq)
-                if room is not None:
-                    room = (room[0] - need[0], room[1] - need[1])
-                continue
-            blocked.append((seq, need))
-            if self.admission.is_urgent(seq):
-                break  # it goes first: nobody overtakes it while it waits for room
-        if blocked and self.running and self.admission.holds:
-            seq, need = min(blocked, key=lambda t: (t[0].priority, t[0].id))
-            state = (seq.id, need, self.cache.versions, len(self.running),
-                     self.cache.base_tree.allocator.num_free)
-            if state != self._failed_take:  # nothing changed since it last failed: skip
-                if self._take_younger_holds(seq, need):
-                    self._start(seq)
-                else:
-                    self._failed_take = state
-
-    def _room(self) -> tuple[int, int]:
-        """Pages admission may still give out: the cache's room less what running requests
-        will still allocate."""
-        (base, res), (b, r) = self.cache.room(), self._outstanding_total()
-        return base - b, res - r
-
-    def _outstanding_total(self) -> tuple[int, int]:
-        needs = [self._outstanding(seq) for seq in self.running]
-        return sum(n[0] for n in needs), sum(n[1] for n in needs)
-
-    def _take_younger_holds(self, seq: Sequence, need: tuple[int, int]) -> bool:
-        """Release the holds of workflows and requests younger than `seq`, youngest first,
-        until its need fits, and evict what it needs now (else the holds would come back);
-        True if it fits. If it cannot fit, the holds are taken again."""
-        younger = self.sessions.holds_younger_than(seq.priority)
-        younger += [(w.priority, w.hold) for w in self.waiting
-                    if w is not seq and w.hold is not None and w.priority > seq.priority]
-        younger.sort(key=lambda t: -t[0])
-        for _, hold in younger:
-            hold.release()
-            room = self._room()
-            if need[0] <= room[0] and need[1] <= room[1]:
-                out = self._outstanding_total()
-                self.cache.evict_unheld((need[0] + out[0], need[1] + out[1]))
-                return True
-        for _, hold in younger:
-            hold.refresh()
-        return False
-
-    def _outstanding(self, seq: Sequence) -> tuple[int, int]:
-        """Pages a running request will still allocate (beyond those in flight for it)."""
-        target = self.admission.target_len(seq)
-        b, r = seq.cache.pages_needed(target)
-        if seq.in_prefill:  # a follower gets pages from its leader
-            S = self.cache.page_size
-            first = seq.num_computed // S
-            b -= self.inflight.pages_for(seq, 0, first)
-            r -= sum(self.inflight.pages_for(seq, i, first) for i in range(1, len(seq.key_ns)))
-        return max(b, 0), max(r, 0)
-
     def _start(self, seq: Sequence):
         self.waiting.remove(seq)
         self.admission.on_leave(seq)
@@ -212,15 +131,6 @@ class Scheduler:
         seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size, seq.page_hashes)
         self.inflight.register(seq, seq.num_computed, len(seq.prompt))
         self.running.append(seq)
-
-    def _namespaces(self, seq: Sequence) -> list[tuple[str, object]]:
-        """(pool, namespace) of each of the request's pools, in `match_all`'s order."""
-        policy = self.cache.policy
-        out = [("base", policy.base_ns(seq.adapter_key))]
-        if policy.res_ns(seq.adapter_key) is not None:
-            out.append(("res", policy.res_ns(seq.adapter_key)))
-        out += [("res", policy.res_ns(key)) for key in seq.fanout.values()]
-        return out
 
     # ---- in-flight sharing (inflight.py) ---------------------------------------------------
 
@@ -250,7 +160,7 @@ class Scheduler:
             ns = self.cache.policy.res_ns(seq.fanout.pop(slot))
             self.inflight.forget(seq.id, ("res", ns))
         if dropped:
-            seq.key_ns = self._namespaces(seq)
+            seq.key_ns = pool_namespaces(self.cache.policy, seq)
 
     # ---- batches --------------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ class Sequence:
         self.priority = self.arrival  # its workflow's age under pressure (admission.py)
         self.hold = None  # PrefixHold while waiting (cache-aware admission)
         self.page_hashes: list[int] = []  # chain hashes of whole pages of `tokens` (inflight.py)
-        self.key_ns: list = []  # (pool, namespace) of each pool it uses (scheduler.py)
+        self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
         self.seen_versions = None  # the cache's versions when it last took over others' pages
         self.output: list[int] = []
         self.status = Status.WAITING

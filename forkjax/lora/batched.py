@@ -8,10 +8,10 @@ and keep only the token's own R columns, selected, not multiplied by a 0/1 mask 
 xA may be inf or NaN, and 0 × inf is NaN: a token's output depends on its own slot's weights
 alone); expand multiplies that [T, N·R] row, exact zeros outside the slot, by B [N·R, d_out].
 
-Why not `jax.lax.ragged_dot` (the grouped GEMM): measured on the H200 (BENCHMARKS.md, "Grouped
-multi-LoRA matmul"), XLA's GPU lowering costs about N× the single-group time, slower than the
-base projection at N = 8 (486 vs 191 µs at T = 8192, 4096 -> 1024), while this formulation stays
-near the one-adapter time (124 µs): N·R = 128 columns is still a thin GEMM.
+Why not `jax.lax.ragged_dot` (the grouped GEMM): XLA's GPU lowering of it costs about N× the
+single-group time, more than the base projection at N = 8, while this formulation stays near the
+one-adapter time, N·R = 128 columns being still a thin GEMM (BENCHMARKS.md, "Grouped multi-LoRA
+matmul").
 
 Cost for T tokens, N adapter slots, rank R, a projection d_in -> d_out:
   FLOPs  2·T·N·R·(d_in + d_out): N× the grouped minimum, a few % of the base projection for
@@ -64,7 +64,8 @@ def lora_expand(rows, b, precision=None):
 def slots_from_group_sizes(group_sizes, num_tokens: int):
     """[N] group sizes -> [T] adapter slot of every token (padding rows get slot N)."""
     # Count the group ends at or before each row: jnp.searchsorted lowers to a while loop, which
-    # XLA's GPU runtime drives from the host (170-240 µs of every step's jit call on the H200).
+    # XLA's GPU runtime drives from the host, on every step (BENCHMARKS.md, "decode on the H200,
+    # 2026-11-30 (eighth session)").
     ends = jnp.cumsum(group_sizes)
     return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 

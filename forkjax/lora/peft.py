@@ -20,10 +20,8 @@ from safetensors import safe_open
 
 from forkjax.cache.adapters import adapter_fingerprint
 from forkjax.config import ModelConfig
+from forkjax.lora.targets import BLOCK, TARGETS
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.lora.peft import BLOCK, TARGETS, LoraAdapter
-from forkjax.models.transformer import STACKED
+from forkjax.lora.peft import LoraAdapter
+from forkjax.lora.targets import BLOCK, STACKED, TARGETS
 
 BASE_SLOT = 0
 

@@ -1,8 +1,9 @@
-"""What an attention backend receives (`QKV`), and dense causal attention over a flat batch of
-whole sequences: the no-cache reference backend.
+"""What an attention backend receives: `QKV`, a layer's q|k|v projection, from which the backend
+(engine/paged_attention.py) builds q and the (base, residual) K and V pairs.
 
-K and V come as (base, residual) pairs and are merged at once: K = bK + RoPE(rK·B_k),
-V = bV + rV·B_v. RoPE is linear, so this equals RoPE of the merged projection, as HF computes it.
+The residual policies store the pairs apart; the merged-pool ones (`prefix`, `full_reuse`) store
+`merged_kv`: K = bK + RoPE(rK·B_k), V = bV + rV·B_v. RoPE is linear, so this equals RoPE of the
+merged projection, as HF computes it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from forkjax.lora.batched import lora_expand, own_slot, slot_rows
 from forkjax.models.layers import apply_rope
@@ -80,29 +80,3 @@ class QKV:
                                       precision).reshape(t, hkv, hd)
                           for xa, part in ((kr, "k_proj"), (vr, "v_proj")))
         return kb + apply_rope(k_lora, *self.rope), vb + v_lora
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DenseMeta:
-    segment_ids: jax.Array  # [T] int32 sequence of every token; -1 for padding
-
-
-def dense_attention(layer, qkv: QKV, batch, state, precision=None):
-    """Causal attention within each segment -> [T, Hq, D]."""
-    del layer
-    q = qkv.q()
-    keys, values = qkv.merged_kv(precision)
-    t, hq, hd = q.shape
-    group = hq // keys.shape[1]
-    keys = jnp.repeat(keys, group, axis=1)
-    values = jnp.repeat(values, group, axis=1)
-    seg, pos = batch.attn.segment_ids, batch.positions
-    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None]) & (seg[:, None] >= 0)
-    scores = jnp.einsum("qhd,khd->hqk", q, keys, precision=precision,
-                        preferred_element_type=jnp.float32) * (hd ** -0.5)
-    scores = jnp.where(mask[None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("hqk,khd->qhd", probs, values, precision=precision,
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype), state

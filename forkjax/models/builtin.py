@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.config import ModelConfig
-from forkjax.lora.peft import LoraAdapter, TARGETS
+from forkjax.lora.peft import LoraAdapter
+from forkjax.lora.targets import TARGETS
 from forkjax.models.loader import build_model
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -5,7 +5,7 @@ a silently half-loaded model is the worst outcome for parity. Parameters keep HF
 layout, so loading is a name lookup plus a dtype cast over memory-mapped files (and the row
 concatenation of the projections the model stores stacked). There is no
 converted form, hence no conversion cache: a second load costs what the first did, the time to
-read the file (measured in BENCHMARKS.md). LoRA slots start at zero; `forkjax.lora` fills them.
+read the file (BENCHMARKS.md, "Checkpoint loading"). LoRA slots start at zero; `forkjax.lora` fills them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from forkjax.config import ModelConfig
+from forkjax.lora.targets import STACKED, TARGETS
 from forkjax.models.layers import rope_inv_freq
-from forkjax.models.transformer import LORA_TARGETS, STACKED, CausalLM
+from forkjax.models.transformer import CausalLM
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -70,7 +71,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
-                progress: bool = False, lora_targets=LORA_TARGETS) -> CausalLM:
+                progress: bool = False, lora_targets=TARGETS) -> CausalLM:
     """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
                                                lora_targets=lora_targets))
@@ -111,7 +112,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 
 def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
-                    progress: bool = True, lora_targets=LORA_TARGETS) -> tuple[ModelConfig, CausalLM]:
+                    progress: bool = True, lora_targets=TARGETS) -> tuple[ModelConfig, CausalLM]:
     """Load `model_dir` (config.json + safetensors, single or sharded) strictly."""
     cfg = ModelConfig.from_hf(model_dir)
     where = checkpoint_files(model_dir)
@@ -129,7 +130,7 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
 
 def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[str], object], *,
                 num_slots: int, rank: int, dtype, progress: bool = True,
-                lora_targets=LORA_TARGETS) -> CausalLM:
+                lora_targets=TARGETS) -> CausalLM:
     """Build the model from the tensors `names` of a checkpoint (HF names; `read(name)` -> an
     array in HF's layout): every one must be used with the shape `cfg` implies, and every
     parameter set, or loading fails naming them (`source`: the file or directory, for errors)."""

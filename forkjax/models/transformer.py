@@ -3,13 +3,13 @@
 One module serves both families: Qwen2 is Llama with q/k/v biases (and usually tied embeddings).
 Attribute names follow HF's parameter names (`layers.3.self_attn.o_proj.weight`), except that
 projections reading the same input are stored stacked as vLLM does (`qkv_proj` = q|k|v,
-`gate_up_proj` = gate|up: one GEMM each, see `LoRALinear`, `STACKED`); the loader maps a
-checkpoint by name.
+`gate_up_proj` = gate|up: one GEMM each, see `forkjax.lora.layers.LoRALinear` and
+`forkjax.lora.targets.STACKED`); the loader maps a checkpoint by name.
 
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives the q|k|v projection (`QKV`) and builds q
-and the (base, residual) K and V pairs from it: the dense reference, the paged kernels in the
-engine.
+and the (base, residual) K and V pairs from it: the engine's paged attention
+(engine/paged_attention.py).
 """
 
 from __future__ import annotations
@@ -22,15 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from forkjax.config import ModelConfig
+from forkjax.linear import linear
+from forkjax.lora.layers import LoRALinear
+from forkjax.lora.targets import ALWAYS_LORA, TARGETS
 from forkjax.models.attention import QKV
-from forkjax.models.layers import LoRALinear, RMSNorm, linear, rope_cos_sin, rope_inv_freq
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order; the others
-# hold one projection under its own name.
-STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# The cache stores xA of k and v as the residual: those two always carry LoRA slots.
-ALWAYS_LORA = ("k_proj", "v_proj")
+from forkjax.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +42,7 @@ AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
+    def __init__(self, cfg: ModelConfig, targets=TARGETS, **lora):
         d, kv = cfg.hidden_size, cfg.kv_size
         self.qkv_proj = LoRALinear(d, {"q_proj": cfg.q_size, "k_proj": kv, "v_proj": kv},
                                    bias=cfg.attention_bias, lora=targets, **lora)
@@ -60,7 +56,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, targets=LORA_TARGETS, **lora):
+    def __init__(self, cfg: ModelConfig, targets=TARGETS, **lora):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = LoRALinear(d, {"gate_proj": f, "up_proj": f}, bias=False,
                                        lora=targets, **lora)
@@ -89,7 +85,7 @@ class CausalLM(nnx.Module):
     named in `lora_targets` (k_proj and v_proj always)."""
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32,
-                 lora_targets=LORA_TARGETS):
+                 lora_targets=TARGETS):
         self.dtype = dtype
         # float32 means "exact": no TF32 on the GPU.
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None

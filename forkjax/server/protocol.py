@@ -1,31 +1,21 @@
 """Request and response bodies of the OpenAI API subset forkjax serves, and its error shape.
 
-Requests validate strictly: a wrong type is a 400, never a silent coercion ("5" is not 5).
-Unknown fields are ignored, as OpenAI and vLLM do; known OpenAI fields whose feature forkjax
-does not implement are accepted only at their neutral value, so a client never gets a
-silently different answer than it asked for. vLLM's extensions (top_k, ignore_eos,
-stop_token_ids, return_token_ids, add_generation_prompt, load_inplace, cache_salt) keep vLLM's
-names; forkjax's own (session_id, fanout_adapters) steer its KV cache.
+Requests validate as validation.py says (strict types, bounded sizes, unimplemented fields only
+at their neutral value). vLLM's extensions (top_k, ignore_eos, stop_token_ids,
+return_token_ids, add_generation_prompt, load_inplace, cache_salt) keep vLLM's names;
+forkjax's own (session_id, fanout_adapters) steer its KV cache.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# One request fans out to at most this many sequences (prompts x n): it bounds the work one
-# HTTP request can queue.
-MAX_CHOICES = 64
-# Stop strings are matched against the text after every token: bound their count and length.
-MAX_STOP, MAX_STOP_CHARS = 16, 256
-# Bounds on the cache fields (session_id, cache_salt, fanout_adapters): looked up per request
-# and per choice.
-MAX_ID_CHARS, MAX_FANOUT = 256, 256
-
-
+from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_STOP,
+                                       MAX_STOP_CHARS, OpenAIRequest, StrictBody)
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -50,53 +40,12 @@ class APIError(Exception):
                                              param=self.param, code=self.code)).model_dump()
 
 
-def _check_unicode(data):
-    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or encoder accepts: refuse
-    them up front. Iterative, so any nesting depth the JSON parser allowed is fine."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("strings must be valid Unicode (a lone surrogate was found)") from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        _check_unicode(data)
-        return data
-
-
-class _Request(_Body):
-    # Fields of the OpenAI API this server does not implement -> the values that mean "off".
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        for name, neutral in self.neutral_values.items():
-            value = getattr(self, name)
-            if value is not None and value not in neutral:
-                raise ValueError(f"{name}={value!r} is not supported by this server")
-        return self
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class _Sampling(OpenAIRequest):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
@@ -203,14 +152,14 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class LoadLoRAAdapterRequest(_Body):
+class LoadLoRAAdapterRequest(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096,
                            description="a PEFT directory: adapter_config.json + adapter_model.safetensors")
     load_inplace: bool = Field(False, description="replace an adapter already loaded under this name")
 
 
-class UnloadLoRAAdapterRequest(_Body):
+class UnloadLoRAAdapterRequest(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None
 

@@ -1,83 +1,35 @@
 """/v1/completions and /v1/chat/completions over the engine loop.
 
-One HTTP request becomes prompts x n engine sequences (its choices), queued atomically. Their
-outputs arrive on one asyncio queue, are detokenized per choice and either collected into one
-response or streamed as server-sent events. A client that goes away aborts its sequences, which
-frees their pages: a stream notices on its next write, a plain request through a watcher of the
-connection.
+One HTTP request becomes prompts x n engine sequences (its choices), queued atomically: this
+module checks the request against the model (adapter, context, fan-out), builds the choices'
+sampling parameters and shapes the OpenAI response bodies; streaming.py carries the choices'
+outputs to the client, whole or as server-sent events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
 import random
 import time
 import uuid
-from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from forkjax.engine.sequence import SamplingParams
 from forkjax.server.chat_template import chat_prompt_ids
-from forkjax.server.detokenizer import IncrementalDetokenizer
 from forkjax.server.engine_loop import EngineLoop, RequestHandle
 from forkjax.server.protocol import (
-    MAX_CHOICES, APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, CompletionChoice,
-    CompletionRequest, CompletionResponse, UsageInfo)
-
-SSE_DONE = "data: [DONE]\n\n"
-log = logging.getLogger("forkjax.serve")
-
-
-class Generation:
-    """The running choices of one HTTP request."""
-
-    def __init__(self, loop: EngineLoop, handles: list[RequestHandle], queue: asyncio.Queue,
-                 tokenizer, stop: list[str]):
-        self.loop, self.handles, self.queue = loop, handles, queue
-        self.detok = [IncrementalDetokenizer(tokenizer, stop) for _ in handles]
-        self.open = set(range(len(handles)))
-
-    async def events(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
-        """(choice, new text, new token ids, finish reason | None) until every choice ends."""
-        while self.open:
-            out = await self.queue.get()
-            i = out.index
-            if i not in self.open:
-                continue  # a choice cut by a stop string: the tail of its abort
-            if out.finish_reason in ("error", "abort"):
-                raise _engine_error(out.error)
-            d = self.detok[i]
-            text = d.add(out.token_ids, final=out.finish_reason is not None)
-            reason = out.finish_reason
-            if d.stopped and reason is None:
-                reason = "stop"
-                self.loop.abort([self.handles[i]], stop=True)
-            if reason is not None:
-                self.open.discard(i)
-            yield i, text, out.token_ids, reason
-
-    def close(self):
-        """Abort the choices still running (the client left, or the request failed)."""
-        if self.open:
-            self.loop.abort([self.handles[i] for i in self.open])
-            self.open.clear()
+    APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
+    UsageInfo)
+from forkjax.server.streaming import Generation, gather, sse, unless_disconnected
+from forkjax.server.validation import MAX_CHOICES
 
 
 def _unknown_fanout(name: str) -> APIError:
     return APIError(404, f"fanout_adapters: the adapter `{name}` does not exist.",
                     param="fanout_adapters", code="model_not_found")
-
-
-def _engine_error(error: Exception | None) -> APIError:
-    if isinstance(error, ValueError):  # e.g. the request stopped fitting the KV cache
-        return APIError(400, str(error))
-    return APIError(500, f"the engine failed while serving this request: {error!r}", type="server_error")
 
 
 class OpenAIServing:
@@ -207,16 +159,16 @@ class OpenAIServing:
                                                          token_ids=ids if token_ids else None)])
                 if req.stream_options and req.stream_options.include_usage:
                     yield response([], usage(n))
-            return _sse(chunks(), gen)
+            return sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = await _gather(gen)
+            texts, ids, reasons = await gather(gen)
             choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
                                         token_ids=ids[i] if token_ids else None,
                                         prompt_token_ids=h.prompt if req.return_token_ids else None)
                        for i, h in enumerate(gen.handles)]
             return response(choices, usage(sum(map(len, ids))))
-        return await _unless_disconnected(raw, collect(), gen)
+        return await unless_disconnected(raw, collect(), gen)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
@@ -249,10 +201,10 @@ class OpenAIServing:
                                                       token_ids=ids if req.return_token_ids else None)])
                 if req.stream_options and req.stream_options.include_usage:
                     yield chunk([], usage(n))
-            return _sse(chunks(), gen)
+            return sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = await _gather(gen)
+            texts, ids, reasons = await gather(gen)
             choices = [ChatChoice(index=i, message=ChatResponseMessage(role="assistant", content=texts[i]),
                                   finish_reason=reasons[i],
                                   token_ids=ids[i] if req.return_token_ids else None)
@@ -260,55 +212,4 @@ class OpenAIServing:
             return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                           usage=usage(sum(map(len, ids))),
                                           prompt_token_ids=prompt if req.return_token_ids else None)
-        return await _unless_disconnected(raw, collect(), gen)
-
-
-async def _gather(gen: Generation):
-    """Run a non-streaming request to the end -> (texts, token ids, finish reasons) per choice."""
-    n = len(gen.handles)
-    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
-    async for i, text, new, reason in gen.events():
-        texts[i] += text
-        ids[i] += new
-        reasons[i] = reason
-    return texts, ids, reasons
-
-
-def _sse(chunks: AsyncIterator, gen: Generation) -> StreamingResponse:
-    """Server-sent events; an error after the stream began is sent as an event, as vLLM does."""
-    async def events():
-        try:
-            async for c in chunks:
-                yield f"data: {c.model_dump_json()}\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
-        except Exception as e:  # a bug: the stream already said 200, so say it in the stream
-            log.exception("stream failed")
-            yield f"data: {json.dumps(APIError(500, repr(e), type='server_error').body())}\n\n"
-        finally:
-            gen.close()  # runs on disconnect too: the response closes this generator
-        yield SSE_DONE
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _unless_disconnected(raw: Request, work, gen: Generation):
-    """Await `work` unless the client disconnects first; then abort its choices."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(raw))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        gen.close()
-    if task in done:
-        return task.result()
-    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-
-
-async def _disconnect(raw: Request):
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
+        return await unless_disconnected(raw, collect(), gen)

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from forkjax.server.chat_template import chat_prompt_ids
-from forkjax.server.protocol import APIError, ChatMessage, _Body
+from forkjax.server.protocol import APIError, ChatMessage
+from forkjax.server.validation import StrictBody
 
 MAX_TOKENS = 1 << 20  # a body of 8 MB holds about this many ids
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -25,7 +26,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_TOKENS)
 

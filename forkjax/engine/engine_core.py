@@ -1,0 +1,203 @@
+"""`EngineCore`: the step loop over the scheduler and the model runner (vLLM's EngineCore).
+
+    step():  batch = scheduler.schedule(); launch(batch); postprocess(the previous launch)
+
+Overlap scheduling (default, SGLang's overlap scheduler): step n+1 is scheduled and dispatched
+while step n still runs on the device; a token step n samples reaches step n+1 on the device (the
+host marks it PENDING), and the host learns it one step later. A request that stops is therefore
+computed one step too far and that token is dropped. Preemption and `score` steps wait for the
+step in flight first.
+
+What a step's outputs do to its requests is output_processor.py's, the counters are stats.py's.
+A server drives `add_request` / `step` / `abort` from its own loop; `Engine` (engine.py) adds
+loading, adapters, `generate` and `score` on top.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from forkjax.cache import DualRadixCache, PoolLayout
+from forkjax.cache.policy import salted
+from forkjax.config import EngineConfig, ModelConfig
+from forkjax.engine.buckets import Buckets
+from forkjax.engine.model_runner import Fetched, Launched, ModelRunner
+from forkjax.engine.output_processor import mark_launched, process_outputs
+from forkjax.engine.requests import check_salt, fanout_targets, prompt_ids
+from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
+from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.engine.stats import EngineStats
+from forkjax.lora.slots import AdapterSlots, slot_rank
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+
+
+class EngineCore:
+    """The KV cache, scheduler and model runner of one loaded model, and the step loop over them
+    (`Engine.from_pretrained` loads the model)."""
+
+    def __init__(self, model_cfg: ModelConfig, model, cfg: EngineConfig, tokenizer=None, *,
+                 max_model_len: int | None = None, max_prefill_tokens: int = 2048,
+                 use_pallas: bool | None = None, warmup: bool | str = True, progress: bool = True,
+                 overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
+                 compile_workers: int | None = None):
+        self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
+        self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        on_gpu = jax.default_backend() == "gpu"
+        self.slots = AdapterSlots(cfg.max_loras)
+        rank = self.max_lora_rank = slot_rank(model)
+        layout = PoolLayout.from_budget(
+            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
+            kv_cache_bytes=cfg.kv_cache_bytes or _default_kv_bytes(on_gpu),
+            policy=cfg.cache_policy, dtype=cfg.dtype, residual_fraction=cfg.residual_fraction,
+            residual_copies=residual_copies)
+        self.cache = DualRadixCache.from_layout(layout)
+        max_batch = cfg.max_batch_size or (64 if on_gpu else 16)
+        buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
+                          fixed=cfg.deterministic)
+        self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
+                                   max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
+                                   schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s)
+        self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
+                                  use_pallas=on_gpu if use_pallas is None else use_pallas,
+                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg))
+        self.metrics = EngineStats()
+        self.overlap = overlap
+        self._inflight: Launched | None = None
+        self.warmup_s = 0.0  # seconds spent compiling every shape at start
+        if warmup not in (True, False, "background"):
+            raise ValueError(f"warmup={warmup!r}: expected True, False or 'background'")
+        if warmup:
+            t = time.perf_counter()
+            self.runner.warmup(progress, compile_workers, background=warmup == "background")
+            self.warmup_s = time.perf_counter() - t
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
+                    score: bool = False, *, session_id: str | None = None,
+                    fanout_adapters=None, cache_salt: str | None = None,
+                    score_from: int = 0) -> Sequence:
+        """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
+
+        `session_id`: requests of one workflow; its pages are evicted after others' for a
+        while after each of its requests ends, so the next turn finds them. `fanout_adapters`
+        (`forkkv`): the agents whose residuals this request writes too; None follows the
+        engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
+        request shares cached pages (base and residual) only with requests of the same salt
+        (one salt per trust domain: under `forkkv` agents of one salt read each other's base)."""
+        ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
+        slot = self.slots.slot_of(adapter)
+        salt = check_salt(cache_salt)
+        key = salted(self.slots.key_of(adapter), salt)
+        if session_id is not None and not isinstance(session_id, str):
+            raise ValueError(f"session_id={session_id!r}: expected a string")
+        fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
+        params = params or SamplingParams()
+        if not params.ignore_eos:
+            params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
+                set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
+        seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
+                       fanout=fanout, prefill_whole_prompt=self.config.deterministic,
+                       score_from=score_from)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence):
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the requests whose step's results it took in (finished
+        ones included): with overlap, those of the step launched one call earlier."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.scheduler.schedule(allow_preempt=self._inflight is None)
+        except PreemptionNeeded:  # the victims' tokens in flight must be known first
+            done = self._finish_inflight()
+            t0 = time.perf_counter()
+            return done + self._launch_and_finish(t0, self.scheduler.schedule())
+        return self._launch_and_finish(t0, batch)
+
+    def _launch_and_finish(self, t0, batch) -> list[Sequence]:
+        t1 = time.perf_counter()
+        self.metrics.time("schedule_s", t1 - t0)
+        if batch is None:
+            return self._finish_inflight()
+        all_logits = any(s.score for s in batch.seqs)
+        sync = all_logits or not self.overlap
+        done = self._finish_inflight() if sync else []
+        launched = self.runner.launch(batch, all_logits, any(s.return_hidden for s in batch.seqs))
+        self.metrics.time("inputs_s", self.runner.last_inputs_s)
+        self.metrics.time("dispatch_s", self.runner.last_dispatch_s)
+        self.metrics.time("steps", 1)
+        self.metrics.launched(batch)
+        mark_launched(batch)
+        done += self._finish_inflight()  # the previous step, while this one runs
+        self._inflight = launched
+        return done + (self._finish_inflight() if sync else [])
+
+    def _finish_inflight(self) -> list[Sequence]:
+        if self._inflight is None:
+            return []
+        launched, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        out = self.runner.fetch(launched)
+        t1 = time.perf_counter()
+        self._postprocess(launched.batch, out)
+        self.metrics.time("device_s", t1 - t0)
+        self.metrics.time("postprocess_s", time.perf_counter() - t1)
+        return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once
+
+    def _postprocess(self, batch, out: Fetched):
+        process_outputs(self.scheduler, batch, out, self.max_model_len)
+
+    def _run_until_done(self, seqs: list[Sequence]):
+        while any(s.status is not Status.FINISHED for s in seqs):
+            if not self.step() and not self.scheduler.has_work:
+                break
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+
+    @property
+    def step_times(self) -> dict:
+        """Cumulative seconds per part of `step()` since start-up (stats.STEP_PARTS)."""
+        return self.metrics.step_times
+
+    def stats(self) -> dict:
+        """The keys of docs/design.md, Public contracts, and more; counters run from start-up or
+        the last reset_stats()."""
+        return self.metrics.snapshot(self.cache, self.scheduler, self.slots)
+
+    def reset_stats(self) -> dict:
+        """Set the counters of `stats()` back to zero (the pools are untouched); returns the
+        stats of the interval that ends, so a caller reads hit rates and decode batch sizes
+        per interval."""
+        s = self.stats()
+        self.metrics.reset(self.cache, self.scheduler)
+        return s
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked page of both trees (running requests keep theirs); returns
+        the pages freed."""
+        self.scheduler.sessions.release_all()
+        return self.cache.flush()
+
+
+def _fixed_fanout(cfg: EngineConfig) -> bool:
+    """Deterministic `forkkv` runs only the programs with fan-out inputs: which program a step
+    ran would otherwise depend on whether another request in it fans out."""
+    return cfg.deterministic and cfg.cache_policy == "forkkv"
+
+
+def _default_kv_bytes(on_gpu: bool) -> int:
+    if not on_gpu:
+        return DEFAULT_CPU_KV_BYTES
+    mem = jax.devices()[0].memory_stats() or {}
+    free = mem.get("bytes_limit", 0) - mem.get("bytes_in_use", 0)
+    return max(int(free * 0.8), DEFAULT_CPU_KV_BYTES)

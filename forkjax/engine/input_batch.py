@@ -1,0 +1,102 @@
+"""A scheduled batch -> the host arrays of one step program's inputs, padded to its bucket.
+
+A step runs B = `b` rows of `c` token positions each (decode: c = 1; extend: a request's chunk,
+padded), T = b·c positions in all, rows ordered by adapter slot (the LoRA matmul groups tokens by
+slot, forkjax.lora.batched), with page tables `w` pages wide (buckets.py). Padding positions write
+to slot 0 and padding page-table entries name page 0: the sink page (cache/allocator.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from forkjax.engine.buckets import Buckets
+from forkjax.engine.paged_attention import PagedMeta
+from forkjax.engine.sampler import SamplingArrays
+from forkjax.engine.scheduler import ScheduledBatch
+from forkjax.engine.sequence import PENDING
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    tokens: jax.Array  # [T] int32
+    prev_rows: jax.Array  # [T] int32 row of the previous step's sampled output to use, -1: tokens
+    positions: jax.Array  # [T] int32
+    group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
+    meta: PagedMeta
+    sample_rows: jax.Array  # [B] int32 row of each request's last token
+
+
+def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]:
+    """(b, c, w): the bucket of `batch`'s rows, positions per row and page-table width."""
+    n = len(batch.seqs)
+    if batch.kind == "decode":
+        b, c = buckets.decode(n), 1
+    else:
+        b, c = buckets.extend(n, max(e - s for s, e in batch.chunks))
+    w = buckets.width(max(max(len(s.cache.base_page_table), len(s.cache.res_page_table))
+                          for s in batch.seqs))
+    return b, c, w
+
+
+def build_inputs(batch: ScheduledBatch, b: int, c: int, w: int, num_slots: int,
+                 fanout: bool) -> tuple[StepInputs, SamplingArrays]:
+    """The step inputs of `batch` in bucket (b, c, w), and its requests' sampling parameters.
+    `fanout`: with the residual slots of every adapter slot for every position
+    (`PagedMeta.fan_slots`)."""
+    t = b * c
+    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    prev_rows = np.full(t, -1, np.int32)
+    base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    fan_slots = np.zeros((t, num_slots), np.int32) if fanout else None
+    base_pt, res_pt = np.zeros((b, w), np.int32), np.zeros((b, w), np.int32)
+    prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    group_sizes = np.zeros(num_slots, np.int32)
+    rows = np.zeros(b, np.int32)
+    samp = sampling_arrays(batch.seqs, b)
+    for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
+        if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
+            tokens[i * c], positions[i * c] = seq.token_at(s), s
+            if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
+                prev_rows[i * c] = seq.sample_row
+            base_slots[i * c], res_slots[i * c] = seq.cache.slot_pair(s)
+        else:
+            r = slice(i * c, i * c + e - s)
+            tokens[r] = seq.tokens[s:e]
+            positions[r] = np.arange(s, e)
+            base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
+        if fanout:
+            seq.cache.fanout_slots(s, e, fan_slots[i * c:i * c + e - s])
+        bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
+        base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
+        prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot
+        group_sizes[seq.slot] += c  # a request's padding rows ride in its own group
+        rows[i] = i * c + e - s - 1
+    meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots)
+    return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
+
+
+def dummy_inputs(b: int, c: int, w: int, num_slots: int,
+                 fanout: bool) -> tuple[StepInputs, SamplingArrays]:
+    """Inputs of bucket (b, c, w) with no request in them: every row padding (warm-up)."""
+    t = b * c
+    z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    meta = PagedMeta(z(t), z(t), z(b, w), z(b, w), z(b), np.full(b, c, np.int32), z(b),
+                     z(t, num_slots) if fanout else None)
+    return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(num_slots), meta, z(b)),
+            sampling_arrays([], b))
+
+
+def sampling_arrays(seqs, b: int) -> SamplingArrays:
+    """Sampling parameters of `seqs` in rows 0.., greedy in the padding rows up to `b`."""
+    temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    top_k, seed, step = np.zeros(b, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output) + seq.pending
+    return SamplingArrays(temp, top_p, top_k, seed, step)

@@ -1,0 +1,68 @@
+"""What a step does to its requests on the host: when it is launched, and when its outputs are
+read (SGLang's output processing).
+
+At launch the host advances every request as if the step had finished: its positions count as
+computed and a request that samples has one more token, PENDING until the outputs arrive (with
+overlap scheduling the next step is scheduled before that). When they arrive, a request whose step
+computed a NaN or inf ends with an error and nothing of that step enters the trees; otherwise
+prefill chunks are shared, score requests keep their logits (and hidden states), and sampled
+tokens are appended, which may stop the request.
+"""
+
+from __future__ import annotations
+
+from forkjax.engine.model_runner import Fetched
+from forkjax.engine.scheduler import ScheduledBatch, Scheduler
+from forkjax.engine.sequence import NonFiniteError, Status
+
+
+def mark_launched(batch: ScheduledBatch) -> None:
+    """Advance the host state as if the launched step had finished: its positions are
+    computed and each request that samples has one more (PENDING) token."""
+    batch.samples = []
+    for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+        seq.num_computed = end
+        if seq.score or end < len(seq):
+            continue  # a score request, or a prefill chunk short of the prompt's end
+        seq.pending += 1
+        seq.sample_row = i
+        batch.samples.append(i)
+
+
+def process_outputs(scheduler: Scheduler, batch: ScheduledBatch, out: Fetched,
+                    max_model_len: int) -> None:
+    """Take in the outputs of `batch`'s step: check, cache, keep logits, append tokens, stop."""
+    for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+        if seq.status is not Status.RUNNING:
+            continue
+        if not out.finite[i]:  # before anything of this step enters the trees
+            scheduler.finish(seq, "error", NonFiniteError(
+                f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
+                f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
+            continue
+        bad = [slot for slot in seq.cache.fanout if not out.fan_finite[i, slot]]
+        if bad:  # another agent's residuals of this request: never cached, it goes on
+            scheduler.drop_fanout(seq, bad)
+        seq.num_verified = end
+        if seq.score:
+            seq.prompt_logits.append(out.logits[i])
+            if seq.return_hidden:
+                seq.prompt_hidden.append(out.hidden[i])
+            if end == len(seq):
+                scheduler.finish(seq, "length")
+    if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
+        for seq, (_, end) in zip(batch.seqs, batch.chunks):
+            scheduler.chunk_done(seq, end)
+    for i in batch.samples:
+        seq = batch.seqs[i]
+        if seq.status is not Status.RUNNING:
+            continue  # aborted, or stopped one step earlier: this token is dropped
+        seq.pending -= 1
+        token = int(out.tokens[i])
+        seq.output.append(token)
+        p = seq.params
+        if token in p.stop_token_ids:
+            scheduler.finish(seq, "stop")
+        elif (len(seq.output) >= p.max_new_tokens
+              or len(seq) - seq.pending >= max_model_len):
+            scheduler.finish(seq, "length")

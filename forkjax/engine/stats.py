@@ -1,0 +1,51 @@
+"""The engine's counters: where a step's time goes, decode batch sizes, and `Engine.stats()`.
+
+The cache counts hits, evictions and pool use (`DualRadixCache.stats`), the scheduler prefill
+tokens computed and preemptions; this module counts the rest and puts them together. Counters
+run from start-up or from the last `reset`; step times run from start-up.
+"""
+
+from __future__ import annotations
+
+# The parts of `Engine.step()`: host bookkeeping (schedule, inputs, postprocess), dispatch (the
+# jit call: argument transfer and kernel launches), waiting for the device; and the step count.
+STEP_PARTS = ("schedule_s", "inputs_s", "dispatch_s", "device_s", "postprocess_s", "steps")
+
+
+class EngineStats:
+    def __init__(self):
+        self.step_times = dict.fromkeys(STEP_PARTS, 0)  # cumulative seconds per part
+        self.decode_steps = self.decode_seqs = 0
+
+    def time(self, part: str, dt: float) -> None:
+        self.step_times[part] += dt
+
+    def launched(self, batch) -> None:
+        """A step of `batch` (a ScheduledBatch) was dispatched."""
+        if batch.kind == "decode":
+            self.decode_steps += 1
+            self.decode_seqs += len(batch.seqs)
+
+    def snapshot(self, cache, scheduler, slots) -> dict:
+        """The keys of docs/design.md, Public contracts, and more: the cache's counters with
+        agents named by adapter (`slots`: the engine's AdapterSlots), hit rates, the decode
+        batch and the queues."""
+        s = cache.stats()
+        names = {a.content_hash: n for n, (_, a) in slots.by_name.items()}
+        s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}
+        s["decode_batch_size_mean"] = self.decode_seqs / self.decode_steps if self.decode_steps else 0.0
+        s["decode_steps"] = self.decode_steps
+        s["prefill_tokens_computed"] = scheduler.prefill_tokens_computed
+        prompt = s["prompt_tokens"]
+        s["base_hit_rate"] = s["base_hit_tokens"] / prompt if prompt else 0.0
+        s["residual_hit_rate"] = s["residual_hit_tokens"] / prompt if prompt else 0.0
+        s["running"] = len(scheduler.running)
+        s["waiting"] = len(scheduler.waiting)
+        s["preemptions"] = scheduler.num_preemptions
+        return s
+
+    def reset(self, cache, scheduler) -> None:
+        """Set the counters of `snapshot` back to zero (the pools and step times are untouched)."""
+        cache.reset_stats()
+        self.decode_steps = self.decode_seqs = 0
+        scheduler.prefill_tokens_computed = scheduler.num_preemptions = 0
