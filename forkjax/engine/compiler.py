@@ -11,8 +11,8 @@ time for every bucket:
 - `start_background`: the same on a daemon thread while the engine serves. A request whose
   shape is not compiled yet compiles it when it comes (or waits for the background thread's
   compile of it), so the first answer needs only the programs it runs: the 30 unrolled layers of
-  a small model take 10-20 s a program to compile on a 2-core CPU, a whole warm-up minutes
-  (BENCHMARKS.md, start-up).
+  a small model take seconds a program to compile on a 2-core CPU, a whole warm-up minutes
+  (BENCHMARKS.md, Start-up).
 """
 
 from __future__ import annotations

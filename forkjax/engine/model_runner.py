@@ -63,8 +63,7 @@ class Fetched:
 class HashOnce:
     """A static jit argument hashed once. jit hashes its static arguments on every call, and
     hashing a large model's nnx GraphDef takes milliseconds of host time a step (for the same
-    reason the parameters go in as a flat list of leaves, not as an nnx State to flatten):
-    BENCHMARKS.md, "decode and prefill on the H200, 2026-11-30 (second session)"."""
+    reason the parameters go in as a flat list of leaves, not as an nnx State to flatten)."""
 
     __slots__ = ("value", "_hash")
 
@@ -126,13 +125,12 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
             static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas"))
 # XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
-# one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off
-# (BENCHMARKS.md, "decode on the H200, 2026-11-30 (eighth session)").
+# one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
 _OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 _step = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
 # Steps of 64 tokens or more run their GEMMs on cuBLAS, where XLA's autotuned Triton GEMMs are
-# slower; below 64 tokens cuBLAS is the slower one (BENCHMARKS.md, "decode on the H200,
-# 2026-12-01 (tenth session)").
+# slower; below 64 tokens cuBLAS is the slower one (BENCHMARKS.md, Engine decode and
+# prefill).
 CUBLAS_FROM_TOKENS = 64
 _step_cublas = jax.jit(_forward, **_JIT,
                        compiler_options={**_OPTIONS, "xla_gpu_enable_triton_gemm": False})
@@ -144,7 +142,7 @@ def _pad_to(tokens, size: int):
 
 # Copy-on-write is its own small program, run before a step only when that step has copies:
 # inside the step program every step would copy a batch of padding pages (sink to sink) in every
-# layer (BENCHMARKS.md, "decode on the H200, 2026-11-30 (eighth session)").
+# layer.
 _copy_pages = jax.jit(copy_pages, donate_argnums=0)
 
 

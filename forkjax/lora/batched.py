@@ -64,8 +64,7 @@ def lora_expand(rows, b, precision=None):
 def slots_from_group_sizes(group_sizes, num_tokens: int):
     """[N] group sizes -> [T] adapter slot of every token (padding rows get slot N)."""
     # Count the group ends at or before each row: jnp.searchsorted lowers to a while loop, which
-    # XLA's GPU runtime drives from the host, on every step (BENCHMARKS.md, "decode on the H200,
-    # 2026-11-30 (eighth session)").
+    # XLA's GPU runtime drives from the host, on every step.
     ends = jnp.cumsum(group_sizes)
     return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 

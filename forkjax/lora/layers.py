@@ -20,8 +20,7 @@ class LoRALinear(nnx.Module):
     `weight` [O + L·N·R, in] holds the HF weights of `parts` (name -> out features, O in all)
     stacked by rows, then the LoRA A's of the L parts that carry slots, as rows too (part l, slot
     s: rows O + (l·N + s)·R ...): one GEMM gives every part's xW and every slot's xA, where
-    projections and A's stored apart would each be a kernel of their own (BENCHMARKS.md,
-    "decode on the H200, 2026-11-30 (ninth session)"). `lora_b[part]` [N, R, out] holds
+    projections and A's stored apart would each be a kernel of their own. `lora_b[part]` [N, R, out] holds
     B (the LoRA scale folded in). Slot 0 is the bare base model and stays zero; ranks are
     zero-padded to R. A part without slots (`lora` leaves it out: no adapter may target it, see
     `lora_target_modules`) is a plain linear layer: no work.
