@@ -23,8 +23,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from forkjax.config import ModelConfig
-from forkjax.models.layers import rope_inv_freq
 from forkjax.models.transformer import LORA_TARGETS, STACKED, CausalLM
+from forkjax.rope import rope_inv_freq
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]

@@ -23,7 +23,8 @@ from flax import nnx
 
 from forkjax.config import ModelConfig
 from forkjax.models.attention import QKV
-from forkjax.models.layers import LoRALinear, RMSNorm, linear, rope_cos_sin, rope_inv_freq
+from forkjax.models.layers import LoRALinear, RMSNorm, linear
+from forkjax.rope import rope_cos_sin, rope_inv_freq
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Stacked projections (`LoRALinear`) -> the HF projections they hold, in row order; the others
@@ -112,7 +113,7 @@ class CausalLM(nnx.Module):
         the caller can donate it at the jit boundary and every write stays in place.
         """
         x = self.embed_tokens[...][tokens]
-        rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype)
+        rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype, exact=False, full=True)
         hidden = [x] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
             x, kv_state = layer(i, x, rope, batch, attn_fn, kv_state)
