@@ -22,19 +22,18 @@ import jax
 import numpy as np
 
 import forkjax
+import timing  # scripts/ is on sys.path when this script runs
 from forkjax.config import ModelConfig
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
-from forkjax.pallas_kernels import residual_attention
+from forkjax.pallas_kernels.paged_attention import triton as triton_attention
 
 
 def copy_bandwidth() -> float:
     """Bytes read + written per second: the best XLA elementwise pass over 2-4 GiB, timed with
-    CUPTI, as bench_kernels.py measures it (a wall-clock f32 pass here read 3.4-3.8 TB/s where
-    CUPTI reads 4.3 on the same H200, which flattered the roofline ratio)."""
-    import bench_kernels  # scripts/ is on sys.path when this script runs
-
-    return bench_kernels.copy_bandwidth()[0]
+    CUPTI as bench_kernels.py times the kernels (a wall-clock pass reads lower, which would
+    flatter the roofline ratio)."""
+    return timing.copy_bandwidth()[0]
 
 
 def param_bytes(engine) -> int:
@@ -117,7 +116,7 @@ def main():
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
     adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
     if args.target_programs:  # read when the steps are traced, i.e. after this
-        residual_attention._TARGET_PROGRAMS = args.target_programs
+        triton_attention._TARGET_PROGRAMS = args.target_programs
     bw = copy_bandwidth()  # first: its 4 GiB buffers fit beside nothing else
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
@@ -128,7 +127,7 @@ def main():
     load_s = time.perf_counter() - t
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
                   policy=args.policy, overlap=engine.overlap, deterministic=args.deterministic,
-                  target_programs=residual_attention._TARGET_PROGRAMS,
+                  target_programs=triton_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,
                   command=" ".join(sys.argv), decode=[])

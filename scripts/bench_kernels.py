@@ -25,21 +25,22 @@ import math
 import os
 import statistics
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import timing  # scripts/ is on sys.path when this script runs
 from forkjax.pallas_kernels import (
     residual_attention_decode,
     residual_attention_extend,
     unified_attention_decode,
     unified_attention_extend,
 )
-from forkjax.pallas_kernels.mgpu_decode import SMS, mgpu_residual_decode, mgpu_unified_decode
-from forkjax.pallas_kernels.rope import rope_tables_full
+from forkjax.pallas_kernels.paged_attention.mosaic import mgpu_residual_decode, mgpu_unified_decode
+from forkjax.pallas_kernels.tuning import sm_count
+from forkjax.rope import rope_cos_sin
 
 HQ, HKV, D, S, R = 32, 8, 128, 16, 16
 DT = jnp.bfloat16
@@ -56,69 +57,8 @@ def log(msg):
 
 
 def time_ms(f, args, iters=20):
-    """Median ms per call of f(*args)."""
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, times = profiler.measure(f, iterations=iters)(*args)
-        if times:
-            return statistics.median(times), "cupti"
-    except Exception as e:  # noqa: BLE001
-        log(f"  cupti unavailable ({type(e).__name__}: {e}); wall clock")
-    jax.block_until_ready(f(*args))
-    reps = []
-    iters = 1 if SMOKE else iters
-    for _ in range(1 if SMOKE else 5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        reps.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(reps), "wall"
-
-
-_TORCH_COPY = """
-import statistics, torch
-src = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
-dst = torch.empty_like(src)
-for _ in range(3):
-    dst.copy_(src)
-times = []
-for _ in range(10):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); dst.copy_(src); b.record(); b.synchronize()
-    times.append(a.elapsed_time(b))
-print(2 * src.numel() * 4 / (statistics.median(times) * 1e-3))
-"""
-
-
-def torch_copy_bandwidth():
-    """Device-to-device copy through PyTorch (4 GiB read + 4 GiB written, CUDA events), run in
-    a child process before JAX takes the GPU memory."""
-    import subprocess
-
-    try:
-        r = subprocess.run([sys.executable, "-c", _TORCH_COPY], capture_output=True, text=True,
-                           timeout=120)
-        return float(r.stdout.strip().splitlines()[-1])
-    except Exception as e:  # noqa: BLE001
-        log(f"  torch copy unavailable: {type(e).__name__}: {str(e)[:200]}")
-        return None
-
-
-def copy_bandwidth():
-    """Best of XLA elementwise passes over 2-4 GiB (bytes read + written)."""
-    best = (0.0, 0.0, "")
-    n = 1 << (16 if SMOKE else 30)
-    for dtype, f in ((jnp.bfloat16, lambda a: a * 2), (jnp.float32, lambda a: a + 1.0)):
-        x = jax.random.normal(jax.random.key(0), (n,), dtype)
-        ms, how = time_ms(jax.jit(f), (x,))
-        bw = 2 * x.nbytes / (ms * 1e-3)
-        log(f"  xla copy {jnp.dtype(dtype).name}: {bw / 1e12:.2f} TB/s")
-        if bw > best[0]:
-            best = (bw, ms, how)
-        del x
-    return best
+    """Median ms per call of f(*args) (timing.time_ms; one wall-clock pass with --smoke)."""
+    return timing.time_ms(f, args, iters, quick=SMOKE, log=log)
 
 
 def matmul_rate(n=8192):
@@ -196,7 +136,7 @@ def decode_fns(cfg_res, cfg_uni):
             bk, bv = d["bk"][d["aid"]], d["bv"][d["aid"]]  # [B, R, Hkv, D]
             rk, rv = d["kr"][rpt], d["vr"][rpt]  # [B, M, S, R]
             y = jnp.einsum("bmsr,brhd->hbmsd", rk, bk)
-            c, s = rope_tables_full(jnp.arange(M * S), d["inv_freq"], D)
+            c, s = rope_cos_sin(jnp.arange(M * S), d["inv_freq"], full=True)  # [M*S, D]
             c, s = c.reshape(M, S, D).astype(DT), s.reshape(M, S, D).astype(DT)
             y_rot = jnp.concatenate([-y[..., D // 2:], y[..., :D // 2]], -1)
             k = d["kb"][:, bpt] + y * c + y_rot * s
@@ -209,7 +149,7 @@ def decode_fns(cfg_res, cfg_uni):
 
     return {"residual": residual_with(residual_attention_decode),
             "triton_residual": residual_with(functools.partial(residual_attention_decode,
-                                                               kernel="triton")),
+                                                               backend="triton")),
             "unified": unified_with(unified_attention_decode), "jax_paged": jax_paged,
             "naive": naive, "mgpu_residual": residual_with(mgpu_residual_decode),
             "mgpu_unified": unified_with(mgpu_unified_decode)}
@@ -349,34 +289,6 @@ def sweep_extend(prefix, T, grid, method, peak_flops):
     return sorted(out, key=lambda t: t[0])
 
 
-def diag_decode(B, L, cfgs, peak_bw):
-    """Leave-one-stage-out timings of the residual kernel (outputs are wrong on purpose)."""
-    from forkjax.pallas_kernels.residual_attention import _paged_attention
-
-    n_sets = n_sets_for(B, L)
-    d = make_decode(B, L, n_sets)
-    out = []
-    for cfg in cfgs:
-        def f(d, cfg=cfg):
-            return [_paged_attention(
-                d["q"][:, None], d["kb"], d["vb"], d["bpt"][i], d["lengths"] - 1,
-                jnp.ones_like(d["lengths"]),
-                (d["kr"], d["vr"], d["rpt"][i], d["bk"], d["bv"], d["aid"], d["inv_freq"]),
-                None, sm_scale=None, block_q=1, block_k=cfg.get("block_k", 64),
-                k_splits=None, num_warps=cfg.get("num_warps", 4),
-                num_stages=cfg.get("num_stages", 2), interpret=cfg.get("interpret", False),
-                swap_ab=cfg.get("swap_ab"), skip_k_lora=True) for i in range(n_sets)]
-        try:
-            ms, _ = time_ms(jax.jit(f), (d,), iters=10)
-            ms /= n_sets
-            out.append((ms, cfg))
-            log(f"  diag residual-without-K-lora B={B} L={L} {cfg}: {ms * 1e3:.1f} us")
-        except Exception as e:  # noqa: BLE001
-            log(f"  diag {cfg}: ERR {type(e).__name__}: {str(e)[:300]}")
-    del d
-    return out
-
-
 def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     """Pick block sizes / formulations at B=32, L=8k (decode) and 2k over 8k (extend)."""
     def c(**kw):
@@ -386,14 +298,12 @@ def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
     uni_grid = [c(block_k=64, num_warps=4, num_stages=ns, swap_ab=False) for ns in (3, 4)]
     if SMOKE:
         res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]
-    diag = diag_decode(B0, L0, [c(block_k=64, num_warps=4, swap_ab=True)], bw)
     best_r = sweep_decode(B0, L0, res_grid, "residual", bw)
     best_u = sweep_decode(B0, L0, uni_grid, "unified", bw)
     cfg_res = dict(best_r[0][1]) if best_r else dict(base)
     cfg_uni = dict(best_u[0][1]) if best_u else dict(base)
     best_k1 = []
-    results["sweep_decode"] = {"residual": best_r, "unified": best_u, "splits_b1": best_k1,
-                               "diag_no_k_lora": diag}
+    results["sweep_decode"] = {"residual": best_r, "unified": best_u, "splits_b1": best_k1}
     egrid_u = [c(block_q=bq, block_k=bk, num_warps=nw, swap_ab=False)
                for bq, bk, nw in [(32, 64, 4), (64, 64, 8)]]
     # Residual extend: on-chip reconstruction, or merged K/V rebuilt in HBM + unified kernel.
@@ -445,13 +355,11 @@ def run_mgpu_sweep(base, bw, results):
     grids = {"mgpu_unified": [dict(base, stages=st, consumers=c, k_splits=1)
                               for st, c in ((3, 1), (4, 2))],
              # shared memory allows 3 stages with one attention warpgroup, 2 with two (Llama-3-8B
-             # shape); fewer CTAs than items (each runs several in turn); then leave-one-out
-             # (outputs wrong on purpose): what each part costs
+             # shape); then fewer CTAs than items (each runs several in turn)
              "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
                                for st, c, ks in ((3, 1, 1), (3, 1, 2), (2, 1, 1), (2, 2, 1))]
-             + [dict(base, stages=3, consumers=1, k_splits=ks, ctas=SMS) for ks in (1, 2)]
-             + [dict(base, stages=3, consumers=1, k_splits=1, skip=s)
-                for s in (("k_lora",), ("rv",), ("k_lora", "rv"))]}
+             + [dict(base, stages=3, consumers=1, k_splits=ks, ctas=sm_count())
+                for ks in (1, 2)]}
     results["sweep_mgpu"] = {}
     for B, L in points:
         for method in ("unified", "mgpu_unified", "triton_residual", "mgpu_residual"):
@@ -485,10 +393,10 @@ def main():
         with open(os.path.join(args.out, "bench_kernels.log"), "w") as fh:
             fh.write("\n".join(LOG) + "\n")
 
-    tbw = None if SMOKE else torch_copy_bandwidth()  # before JAX takes the memory
+    tbw = None if SMOKE else timing.torch_copy_bandwidth(log=log)  # before JAX takes the memory
     if tbw:
         log(f"  torch copy_ float32 4 GiB: {tbw / 1e12:.2f} TB/s")
-    bw, ms, how = copy_bandwidth()
+    bw, ms, how = timing.copy_bandwidth(quick=SMOKE, log=log)
     bw = max(bw, tbw or 0.0)
     log(f"copy bandwidth (best of the above) {bw / 1e12:.2f} TB/s")
     results["torch_copy_bw"] = tbw

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A session's GPU checks and benchmarks as one device-tool command each, results under $OUT.
 # Stages, run in the order given (each time-boxed; a device command may run 10 min at most):
-#   tests   kernel + engine Pallas-path tests                      tests.log          ~5 min
+#   tests   kernel (Triton, registry) + engine Pallas-path tests    tests.log          ~5 min
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
@@ -11,9 +11,6 @@
 #           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
 #   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
-#   gemm    diag_decode_gemms.py at M=64 (q|k|v+A, o, down) under   gemm.log,          ~5 min
-#           XLA GEMM options: Triton, cuBLAS, Triton warp-          diag_decode_gemms.json
-#           specialised, forced split-K, cuDNN GEMM fusions
 #   kvw     K/V write kernel tests (fan-out rows included)          kvw_tests.log      ~1 min
 #   react   bench_workflows.py ReAct headline (3 agents x 4 rounds, react/, react.log   ~2-4 min
 #           4k context, 64 + 64 tokens a turn), policies $WF_POLICIES             a policy
@@ -36,10 +33,11 @@ run() {  # run <seconds> <log name> <command...>: time-boxed, log under $OUT, on
 for stage in "$@"; do
     case $stage in
     tests)
-        run 330 tests.log python3 -m pytest -q tests/test_residual_attention.py \
-            tests/test_mgpu_operands.py tests/test_engine_pallas.py ;;
+        run 330 tests.log python3 -m pytest -q tests/test_paged_attention_kernels.py \
+            tests/test_paged_attention_mosaic_operands.py tests/test_kernel_registry.py \
+            tests/test_engine_pallas.py ;;
     mgpu)  # a hung kernel blocks the device for later commands: run Mosaic stages last
-        run 120 mgpu_tests.log python3 -m pytest -q tests/test_mgpu_decode.py \
+        run 120 mgpu_tests.log python3 -m pytest -q tests/test_paged_attention_mosaic.py \
             tests/test_kv_write.py ;;
     mgpu_bench)
         timeout 330 python3 scripts/bench_kernels.py --mgpu --out "$OUT" > /dev/null 2>&1
@@ -65,16 +63,6 @@ for d in r["decode"]:
 print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
         ;;
-    gemm)  # the weak decode GEMMs (BENCHMARKS.md, tenth session) under other XLA options
-        (cd scripts && PYTHONPATH=.. timeout 540 python3 diag_decode_gemms.py --out "$OUT" --m 64 \
-            --cases "qkv + A fused,o,down" --options '[{}, {"xla_gpu_enable_triton_gemm": false},
-            {"xla_gpu_experimental_enable_triton_warp_specialization": true},
-            {"xla_gpu_experimental_force_split_k": 2}, {"xla_gpu_experimental_force_split_k": 4},
-            {"xla_gpu_cudnn_gemm_fusion_level": 2, "xla_gpu_enable_triton_gemm": false},
-            {"xla_gpu_experimental_autotune_backends": "TRITON,CUBLASLT,CUDNN"}]' \
-            > "$OUT/gemm.log" 2>&1)
-        echo "diag_decode_gemms: rc=$?"
-        grep -E '^\{' "$OUT/gemm.log" ;;
     kvw)
         run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
     react | mapreduce)

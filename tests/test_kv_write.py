@@ -1,6 +1,6 @@
-"""The Mosaic GPU K/V write kernel (pallas_kernels/kv_write.py) against `write_kv`, the XLA
-scatters it replaces: interpreted on the CPU, compiled on a GPU; lowered for CUDA on the CPU at
-the Llama-3-8B shape with pools of over 2^31 elements."""
+"""The Mosaic GPU K/V write kernel (pallas_kernels/kv_write/mosaic.py) against `write_kv`, the
+XLA scatters it replaces: interpreted on the CPU, compiled on a GPU; lowered for CUDA on the CPU
+at the Llama-3-8B shape with pools of over 2^31 elements."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from forkjax.cache import KVPools, write_kv
-from forkjax.pallas_kernels.kv_write import kv_write, supports
+from forkjax.pallas_kernels.kv_write.mosaic import kv_write, supports
 
 INTERPRET = jax.default_backend() != "gpu"
 
@@ -70,7 +70,7 @@ def test_supports_needs_16_byte_rows():
 
 def test_engine_uses_the_kernel_on_a_gpus_kernel_path(monkeypatch):
     from forkjax.engine import paged_attention as pa
-    from forkjax.pallas_kernels import kv_write as kvw
+    from forkjax.pallas_kernels.kv_write import mosaic as kvw
     pools, *_ = _case(0, True, jnp.bfloat16)
     monkeypatch.setattr(pa.jax, "default_backend", lambda: "cpu")
     assert pa._kv_writer(True, pools) is write_kv  # off the GPU: XLA's scatters

@@ -8,7 +8,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from forkjax.config import ModelConfig
-from forkjax.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from forkjax.models.layers import RMSNorm
+from forkjax.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @pytest.mark.parametrize("head_dim,scaled", [(128, True), (24, True), (64, False), (20, False)])
@@ -36,7 +37,8 @@ def test_rope_is_hf_rotate_half_at_long_positions():
     x = rng.standard_normal((3, 2, 8)).astype(np.float32)
     pos = np.array([0, 17, 30000])
     inv = rope_inv_freq(8, 10000.0, None)
-    cos, sin = rope_cos_sin(jnp.asarray(pos), jnp.asarray(inv), jnp.float32)
+    cos, sin = rope_cos_sin(jnp.asarray(pos), jnp.asarray(inv), jnp.float32, exact=False,
+                            full=True)  # the model's tables
     got = np.asarray(apply_rope(jnp.asarray(x), cos, sin))
     # HF forms the angle in float32 (so do we: at 30k it is off by ~1e-3 from exact); cos/sin
     # of that angle in float64 are the reference.

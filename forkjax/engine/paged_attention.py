@@ -4,7 +4,9 @@ Per layer: scatter the step's new K/V into the pools (only slots the cache marke
 rest go to the sink page), then attend over the pools through the page tables, so attention
 always reads K/V from the cache after the write. Residual policies store (xW, xA) apart and
 attend with ResidualAttention; `prefix` / `full_reuse` store merged K/V and attend with the
-unified kernel. On the CPU the plain-jnp references stand in for the Pallas kernels.
+unified kernel. Which implementation runs is the kernels' api.py's choice: `use_pallas=False`
+asks for the plain-jnp references, `use_pallas=True` for the automatic choice among the Pallas
+kernels (interpreted where jax has no GPU).
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from forkjax import pallas_kernels as pk
-from forkjax.cache import write_kv
 from forkjax.models.attention import QKV
-from forkjax.pallas_kernels import kv_write, mgpu_decode, mgpu_operands
+from forkjax.pallas_kernels.kv_write import api as kv_write
+from forkjax.pallas_kernels.paged_attention import api as attention
 
 
 @jax.tree_util.register_dataclass
@@ -47,19 +48,21 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     b_k, b_v = qkv.b("k_proj"), qkv.b("v_proj")
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
+    run = dict(backend=_backend(use_pallas), interpret=None)  # None: interpreted off a GPU
     write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, fan_checks)
-    if kind == "decode" and residual and use_pallas and _fused_decode(qkv, pools):
-        # one Triton kernel from the q|k|v GEMM's output to the Mosaic kernel's operands and
-        # the K/V to write (was ~8 XLA kernels and `query_operands`)
-        n_q = mgpu_decode.query_rows(hq // hkv, True)
+    if kind == "decode" and residual and attention.fused_decode_supported(
+            qkv.heads, pools.base_k.shape[-2], pools.res_k.shape[-1], pools.base_k.dtype, **run):
+        # one kernel from the q|k|v GEMM's output to the attention kernel's operands and the
+        # K/V to write, where XLA would run several
         b_q = qkv.b("q_proj") if "q_proj" in qkv.proj.lora else None
-        qx, w, kb, vb, kr, vr = mgpu_operands.decode_operands(
+        ops, kb, vb, kr, vr = attention.fused_decode_operands(
             qkv.y, *qkv.rope, b_q, b_k4, m.adapter_ids, heads=qkv.heads, cols=qkv.columns(),
-            n_q=n_q, dtype=pools.base_k.dtype)
+            dtype=pools.base_k.dtype, interpret=None)
         pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
-        out = mgpu_decode.mgpu_residual_decode(
-            (qx, w), pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
-            m.res_pages, m.prefix_lengths + 1, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer)
+        out = attention.fused_residual_decode(
+            ops, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
+            m.res_pages, m.prefix_lengths + 1, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer,
+            interpret=None)
         return out, pools
     q = qkv.q()
     t = q.shape[0]
@@ -70,27 +73,26 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         keys, values = qkv.merged_kv(precision)
         pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
     nb = m.prefix_lengths.shape[0]
-    ops = _KERNELS if use_pallas else _REFERENCES
-    # Off the GPU the kernels run interpreted (slow; tests of the kernel path through the engine).
-    extra = {"interpret": jax.default_backend() != "gpu"} if use_pallas else {}
     if kind == "decode":
         lengths = m.prefix_lengths + 1
         if residual:
-            out = ops["res_decode"](q, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
-                                    m.base_pages, m.res_pages, lengths, b_k4, b_v4,
-                                    m.adapter_ids, inv_freq, layer=layer, **extra)
+            out = attention.residual_attention_decode(
+                q, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
+                m.res_pages, lengths, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer, **run)
         else:
-            out = ops["uni_decode"](q, pools.base_k, pools.base_v, m.base_pages, lengths,
-                                    layer=layer, **extra)
+            out = attention.unified_attention_decode(
+                q, pools.base_k, pools.base_v, m.base_pages, lengths, layer=layer, **run)
         return out, pools
     q4 = q.reshape(nb, t // nb, hq, hd)
     if residual:
-        out = ops["res_extend"](q4, pools.base_k, pools.base_v, pools.res_k, pools.res_v,
-                                m.base_pages, m.res_pages, m.prefix_lengths, m.chunk_lengths,
-                                b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer, **extra)
+        out = attention.residual_attention_extend(
+            q4, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages, m.res_pages,
+            m.prefix_lengths, m.chunk_lengths, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer,
+            **run)
     else:
-        out = ops["uni_extend"](q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths,
-                                m.chunk_lengths, layer=layer, **extra)
+        out = attention.unified_attention_extend(
+            q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths, m.chunk_lengths,
+            layer=layer, **run)
     return out.reshape(t, hq, hd), pools
 
 
@@ -112,26 +114,12 @@ def _with_fanout(write, qkv: QKV, fan_slots, checks: list | None):
     return write_all
 
 
-def _fused_decode(qkv: QKV, pools) -> bool:
-    """Whether a residual decode runs `decode_operands` and the Mosaic kernel: on a GPU, where
-    `residual_attention_decode` would run that kernel and Triton's blocks fit the shapes."""
-    hq, hkv, hd = qkv.heads
-    r = pools.res_k.shape[-1]
-    return (mgpu_decode.serves(hq, hkv, hd, pools.base_k.shape[-2], r, pools.base_k.dtype)
-            and mgpu_operands.supported(hq // hkv, r, hd))
+def _backend(use_pallas: bool) -> str | None:
+    """The kernels' backend argument: None (their automatic choice) or the references."""
+    return None if use_pallas else "reference"
 
 
 def _kv_writer(use_pallas: bool, pools):
-    """On a GPU's kernel path one Mosaic GPU kernel for all of a layer's K/V writes (kv_write.py:
-    four XLA scatters cost ~4x its time in a decode step), else XLA's scatters (`write_kv`)."""
-    if use_pallas and jax.default_backend() == "gpu" and kv_write.supports(pools):
-        return kv_write.kv_write
-    return write_kv
-
-
-_KERNELS = dict(res_decode=pk.residual_attention_decode, res_extend=pk.residual_attention_extend,
-                uni_decode=pk.unified_attention_decode, uni_extend=pk.unified_attention_extend)
-_REFERENCES = dict(res_decode=pk.residual_attention_decode_reference,
-                   res_extend=pk.residual_attention_extend_reference,
-                   uni_decode=pk.unified_attention_decode_reference,
-                   uni_extend=pk.unified_attention_extend_reference)
+    """The K/V write of the engine's kernel path or of its reference path (kv_write/api.py:
+    the Mosaic kernel on a GPU where it supports the pools, else XLA's scatters)."""
+    return kv_write.kv_writer(pools, backend=_backend(use_pallas), interpret=None)

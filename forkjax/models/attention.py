@@ -15,14 +15,15 @@ from typing import Any
 import jax
 
 from forkjax.lora.batched import lora_expand, own_slot, slot_rows
-from forkjax.models.layers import apply_rope
+from forkjax.rope import apply_rope
 
 
 @dataclasses.dataclass
 class QKV:
     """A layer's q|k|v projection of T tokens with LoRA's B and RoPE not yet applied. A backend
     builds what it needs (`q`, `k`, `v`), or a fused kernel reads the GEMM output `y` itself
-    (`mgpu_operands.decode_operands`: XLA ran q's expand, RoPE and the slices as ~8 kernels)."""
+    (`pallas_kernels.paged_attention.api.fused_decode_operands`: q's LoRA expand, RoPE and the
+    slices in one kernel instead of several XLA ones)."""
     y: jax.Array  # [T, O + L·N·R] float32 `LoRALinear.project` of the stacked q|k|v projection
     proj: Any  # that LoRALinear: lora_b, a_rows
     heads: tuple[int, int, int]  # (Hq, Hkv, D)

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from forkjax.config import ModelConfig
 from forkjax.lora.targets import STACKED, TARGETS
-from forkjax.models.layers import rope_inv_freq
 from forkjax.models.transformer import CausalLM
+from forkjax.rope import rope_inv_freq
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]

@@ -26,7 +26,8 @@ from forkjax.linear import linear
 from forkjax.lora.layers import LoRALinear
 from forkjax.lora.targets import ALWAYS_LORA, TARGETS
 from forkjax.models.attention import QKV
-from forkjax.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from forkjax.models.layers import RMSNorm
+from forkjax.rope import rope_cos_sin, rope_inv_freq
 
 
 @jax.tree_util.register_dataclass
@@ -108,7 +109,7 @@ class CausalLM(nnx.Module):
         the caller can donate it at the jit boundary and every write stays in place.
         """
         x = self.embed_tokens[...][tokens]
-        rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype)
+        rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype, exact=False, full=True)
         hidden = [x] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
             x, kv_state = layer(i, x, rope, batch, attn_fn, kv_state)

@@ -1,10 +1,10 @@
-"""The Mosaic residual decode's operands and epilogue, as Triton kernels.
+"""The Mosaic residual decode's operands and epilogue, as Triton kernels: one program per
+(request, KV head) each, where XLA would run a few kernels of its own (a pad, a transpose, a
+concatenation, a fusion) for each.
 
 Prologue (`query_operands`): the kernel reads the query heads of a KV head padded to NQ rows and
-the K-LoRA operand W [D, G*R] (mgpu_decode.py's docstring) built from those heads and the
-request's B_k. In XLA that was a pad, a transpose and a concatenation, 8.4 us of every layer of
-a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session); here one program per
-(request, KV head) loads q's G rows and B_k's halves once and writes both.
+the K-LoRA operand W [D, G*R] (mosaic.py's docstring) built from those heads and the request's
+B_k. One program loads q's G rows and B_k's halves once and writes both.
 
     q       [B, Hkv * G, D]      RoPE applied
     b_k     [N, R, Hkv, D]       every adapter slot's B_k
@@ -14,22 +14,17 @@ a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session); here one progra
 
 The engine's decode goes one step further (`decode_operands`): the same program starts from the
 q|k|v GEMM's float32 output, adds q's LoRA (xA_q B_q of the row's slot), applies RoPE to q and
-k, and also writes k, v and the row's xA_k, xA_v for the K/V write. In XLA that was a convert,
-the q LoRA mask and expand, q's RoPE and add, k's RoPE, v's slice and the own-slot reductions
-before `query_operands`: B=64 decode 10.69 -> 10.42 ms on the H200 (BENCHMARKS.md, fifteenth
-session).
+k, and also writes k, v and the row's xA_k, xA_v for the K/V write, rounding where the XLA ops
+it replaces (a convert, the q LoRA expand and add, the RoPEs, the slices) round.
 
 Epilogue (`residual_combine`): the Mosaic residual decode leaves its accumulators transposed,
 per split-K split, O^T [D, NQ] and O_r^T [.., NQ] (row R: the softmax denominator l), with the G
 real query heads in the first columns. The output is O = (O^T + B_v^T O_r^T)^T / l per
 (request, KV head), B_v the request's adapter's, after the splits are rescaled to their common
-maximum (flash-decoding). As XLA ops that was a fusion and a transpose kernel, 6.4 us of every
-layer of a B=64 decode step on the H200 (BENCHMARKS.md, twelfth session), and with 2-5 splits
-3-7 us a call more than this kernel (B=4 to 16; seventeenth session); here one program per
-(request, KV head) reads its tiles once, applies B_v in float32 as a broadcast product summed
-over R, and writes [G, D] in the output dtype. With fewer than 16 programs (B=1: 8, with 16
-splits) XLA's combine, spread over more SMs, was faster (15.3 against 17.9 us a call), and
-`mgpu_decode` runs it there.
+maximum (flash-decoding, combine.py). One program reads its tiles once, applies B_v in float32
+as a broadcast product summed over R, and writes [G, D] in the output dtype. With fewer than 16
+programs XLA's combine (`residual_combine_reference`), spread over more SMs, is faster, and
+mosaic.py runs that there (BENCHMARKS.md, Engine).
 
     o_t     [B, S, Hkv, D, NQ]   float32, O^T of each split
     or_t    [B, S, Hkv, RB, NQ]  float32, O_r^T (rows R+1.. unused; RB >= R + 1)
@@ -50,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from forkjax.pallas_kernels.residual_attention import combine_splits
+from forkjax.pallas_kernels.paged_attention.combine import combine_splits
 
 
 def _store_w(w_ref, bk_ref, aid, h, q1, q2):
@@ -187,8 +182,8 @@ def decode_operands(y, cos, sin, b_q, b_k, adapter_ids, *, heads, cols, n_q: int
              y, slot s's A columns at A + s * R
     -> qx [B, Hkv, n_q, D], W [B, Hkv, D, G * R] (as `query_operands` from the LoRA-applied,
        roped q), k [B, Hkv, D] roped, v [B, Hkv, D], xA_k [B, R], xA_v [B, R] of each row's slot
-    num_warps: Triton warps a program (H200, B=64: 1, 2, 4, 8 warps 7.9, 6.6, 6.7, 11.4 us,
-       scripts/diag_decode_operands.py)
+    num_warps: Triton warps a program (on the H200 at B=64, 2 and 4 about equally fast, 1 and 8
+       slower: BENCHMARKS.md, Engine)
     """
     (Hq, Hkv, D), (B, _), R = heads, y.shape, b_k.shape[1]
     G, dt = Hq // Hkv, jnp.dtype(dtype)

@@ -1,19 +1,18 @@
 """One Mosaic GPU kernel for a layer's K/V cache writes, in place.
 
 `forkjax.cache.write_kv` (the reference) scatters a step's new tokens with one XLA scatter per
-pool: base K, base V, residual K, residual V. In a B=64 decode step each of those four kernels
-moves 64 rows and takes ~2.8 us on the H200 (BENCHMARKS.md, the engine's layer timeline),
-launch and tail mostly. Here one CTA per token TMA-copies its rows into shared memory and on
-into every pool; the pools are aliased inputs and outputs, so nothing else is copied. TMA
-addresses the pools by coordinates, so pools of over 2^31 elements are fine.
+pool: base K, base V, residual K, residual V. In a decode step each of those moves a few rows,
+so its launch and tail are most of its time. Here one CTA per token TMA-copies its rows into
+shared memory and on into every pool: one launch for all four. The pools are aliased inputs and
+outputs, so nothing else is copied. TMA addresses the pools by coordinates, so pools of over
+2^31 elements are fine.
 
     pools   base [L, Hkv, P, S, D], residual [L, Pr, S, R] (forkjax.cache.pool)
     slots   [T] int32 page * S + offset, 0 (the sink page) where a token must not be written;
             residual slots [T] or [T, J]: J residual rows a token, its own and, with residual
             fan-out, other agents' (x·A_j), all in the same kernel
 
-The engine's Pallas path uses it on a GPU wherever `supports` holds (B=64 decode 11.11 against
-11.23 ms with XLA's scatters: BENCHMARKS.md, twelfth session).
+api.py runs it on a GPU wherever `supports` holds (BENCHMARKS.md, Engine).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """ResidualAttention (ForkKV Algorithm 1) and plain paged attention as one Pallas Triton kernel.
 
-Layout: kernel -> pallas_call wrapper -> public jitted functions -> plain-jnp `*_reference`s.
+Layout: kernel -> pallas_call wrapper -> the entry points api.py calls (its "triton" backend).
+The contract and its plain-jnp version are in reference.py, the split combine in combine.py.
 
 One kernel serves decode and extend (prefill), with or without the residual (LoRA) part of K/V.
 A program owns (KV head h, block of `block_q` query tokens, KV split, request b). Its query rows
@@ -8,8 +9,8 @@ are the `block_q x Gp` (token-major, head-minor) query heads of that KV head's g
 K/V tile it loads is shared by the whole GQA group. It walks the request's page table in blocks
 of `block_k` tokens (whole pages) and keeps an online softmax. Pools are seen as flat token rows
 [P*S, D] and each block is one 2-D gather of `block_k` rows (row = page id * S + offset): Triton
-then stages K/V straight into shared memory in the MMA's layout (a [pages, S, D] load needed a
-register reshape: the unified kernel took 404 instead of 255 µs at B=32, L=8k on the H200).
+then stages K/V straight into shared memory in the MMA's layout (a [pages, S, D] load would
+need a reshape in registers first).
 
 Residual reconstruction (the `residual=True` path), per block of keys at positions p0 + i:
 
@@ -24,14 +25,14 @@ q_rot2 @ z2^T; no sin/cos is evaluated in the loop (`reconstruct_k=True` instead
 key side by the absolute angle, by angle addition: cheaper when the query block is tall).
 Values use associativity: acc += p @ bV and acc_r += p @ rV, both rescaled by the same
 online-softmax factor, and B_v is applied once, after the loop: the kernel writes acc and acc_r
-(r wide) and the split combine computes (acc + acc_r @ B_v) / l. (Doing that small dot inside
-the kernel raised its register count to the limit and cost a third of its occupancy.)
+(r wide) and the split combine computes (acc + acc_r @ B_v) / l. (That small dot inside the
+loop's kernel would raise its register count to the limit and lower its occupancy.)
 
 `swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
 the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
 (64-128 instead of the 16 query rows), the reconstructed tile feeds the MMA from registers as its
 A operand and P stays in its score layout. Defaults for block sizes are the fastest of the H200
-sweeps recorded in BENCHMARKS.md.
+sweeps (BENCHMARKS.md, Kernels).
 
 Split-K (flash-decoding): each program writes an unnormalised partial (o, m, l [, acc_r]) for
 its share of the key blocks (every k_splits-th block, so a sequence much shorter than its page
@@ -45,8 +46,8 @@ tokens; new token t sits at position prefix_lengths[b] + t and attends causally 
 0 .. prefix_lengths[b] + t. K/V of the new tokens are read from the pools: the engine writes them
 before calling. Rows t >= chunk_lengths[b] of the output are zero. A long prompt is prefilled
 chunk after chunk by raising prefix_lengths. Residual extend has a second, default path for
-long chunks (`materialize`, see `residual_attention_extend`): merged K/V rebuilt in HBM by XLA,
-then the unified kernel.
+long chunks (`materialize`, see `residual_extend`): merged K/V rebuilt in HBM by XLA, then
+the unified kernel.
 
 Page tables: entries past a sequence's last page must still be valid page ids (0, the padding
 sink, is fine): whole blocks of pages are loaded and masked afterwards. Unused slots may hold
@@ -69,7 +70,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from forkjax.pallas_kernels.padding import flat_rows, next_pow2, pad_axis
-from forkjax.pallas_kernels.rope import rope_cos_sin, rotate_half
+from forkjax.pallas_kernels.paged_attention.combine import combine_splits
+from forkjax.rope import rope_cos_sin
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
@@ -112,7 +114,6 @@ def _attention_kernel(
     normalize: bool,
     reconstruct_k: bool,
     swap_ab: bool,
-    skip_k_lora: bool = False,  # benchmarking only: drop the K reconstruction (wrong output)
 ):
     qb, ks = pl.program_id(1), pl.program_id(2)
     rows, dp = q_ref.shape
@@ -210,9 +211,8 @@ def _attention_kernel(
         s = score(k, q_op)
         if residual:
             rows_r = rpt_ref[slots] * page_size + in_page
-            if not skip_k_lora:
-                rk = load_rows(kr_ref, rows_r)
-                s = s + lora_scores(kb, rk)
+            rk = load_rows(kr_ref, rows_r)
+            s = s + lora_scores(kb, rk)
         s = s * scale
         if masked:
             kv = kb * block_k + kv_iota
@@ -294,7 +294,6 @@ def _paged_attention(
     interpret,
     reconstruct_k=None,
     swap_ab=None,
-    skip_k_lora=False,
 ):
     layered = k_base.ndim == 5
     if layered != (layer is not None):
@@ -327,7 +326,7 @@ def _paged_attention(
     if block_q * gp < 16:
         gp = 16 // block_q
     rows = block_q * gp
-    if swap_ab is None:  # measured on the H200 (BENCHMARKS.md): pays off with the residual only
+    if swap_ab is None:  # pays off with the residual only (BENCHMARKS.md, Kernels)
         swap_ab = residual and rows <= 32
     t_pad = -(-T // block_q) * block_q
     n_qb = t_pad // block_q
@@ -448,7 +447,7 @@ def _paged_attention(
         _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
         k_splits=k_splits, scale=scale, residual=residual, normalize=normalize,
         reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
-        swap_ab=swap_ab, skip_k_lora=skip_k_lora)
+        swap_ab=swap_ab)
     name = f"{'residual' if residual else 'unified'}_attention_bq{block_q}_bk{block_k}_ks{k_splits}"
     out = pl.pallas_call(
         kernel,
@@ -476,98 +475,18 @@ def _paged_attention(
     return out
 
 
-def combine_splits(o, m, l, o_r=None, b_v=None):
-    """Flash-decoding combine of split-K partials -> normalised float32 [B, Hkv, rows, D].
-
-    o [B, KS, Hkv, rows, D], m / l [B, KS, Hkv, rows] (running max in base 2, unnormalised sum);
-    for ResidualAttention also o_r [B, KS, Hkv, rows, R] and each request's B_v [B, R, Hkv, D],
-    applied once, to the combined accumulator. Rows no split saw (l = 0) come out as 0.
-    """
-    if o.shape[1] == 1:  # one split (large batches): nothing to rescale
-        o_sum, l_sum = o[:, 0], l[:, 0]
-        if o_r is not None:
-            o_sum = o_sum + _apply_b_v(o_r[:, 0], b_v)
-    else:
-        m_max = lax.optimization_barrier(jnp.max(m, axis=1, keepdims=True))
-        w = jnp.exp2(m - m_max)  # [B, KS, Hkv, rows]
-        l_sum = jnp.sum(w * l, axis=1)
-        o_sum = jnp.sum(w[..., None] * o, axis=1)
-        if o_r is not None:  # acc + acc_r @ B_v
-            o_sum = o_sum + _apply_b_v(jnp.sum(w[..., None] * o_r, axis=1), b_v)
-    return o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-
-
-def _apply_b_v(o_r, b_v):
-    """o_r [B, Hkv, rows, R] @ b_v [B, R, Hkv, D] (each request's, as gathered) in float32 as R
-    broadcast multiply-adds: all element-wise, so XLA fuses it with the combine and the gather
-    (as a batched dot it was a GEMM kernel of its own, 3.6 µs of every layer of a B=64 decode
-    step on the H200)."""
-    out = o_r[..., 0, None] * b_v[:, 0, :, None]
-    for r in range(1, o_r.shape[-1]):
-        out = out + o_r[..., r, None] * b_v[:, r, :, None]
-    return out
-
-
-_STATIC_UNIFIED_DECODE = ("sm_scale", "block_k", "k_splits", "num_warps", "num_stages",
-                          "interpret", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "kernel")
-_STATIC = _STATIC_UNIFIED_DECODE + ("reconstruct_k", "block_q")
-_STATIC_UNIFIED = _STATIC_UNIFIED_DECODE + ("block_q",)
-
-
 # ----------------------------------------------------------------------------------------------
-# Public functions
+# Entry points (api.py's "triton" backend; the arguments are api.py's)
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_DECODE)
-def residual_attention_decode(
-    q,  # [B, Hq, D]      current token's query, RoPE applied
-    k_base,  # [Hkv, P, S, D]  base keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
-    v_base,  # [Hkv, P, S, D]
-    k_res,  # [Pr, S, R]      residual key activations xA_k (no RoPE); [L, Pr, S, R] with `layer`
-    v_res,  # [Pr, S, R]
-    base_pages,  # [B, M] int32
-    res_pages,  # [B, M] int32
-    lengths,  # [B] int32       tokens to attend, the current one included (already written)
-    b_k,  # [A, R, Hkv, D]  LoRA scale folded in, zero-padded ranks
-    b_v,  # [A, R, Hkv, D]
-    adapter_ids,  # [B] int32
-    inv_freq,  # [D//2] float32
-    *,
-    sm_scale=None,
-    interpret=False,
-    layer=None,  # int32 scalar: index of the layer when the pools carry a leading L axis
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
-    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    kernel=None,  # "triton", "mosaic" (mgpu_decode.py) or None (see below)
-):
-    """ResidualAttention for one new token per request -> [B, Hq, D] (docs/design.md,
-    Public contracts).
-
-    kernel=None: on the GPU the Mosaic GPU kernel (warp-specialised; 1.24x the unified path at
-    B=32, L=8k against the Triton kernel's 1.6x, BENCHMARKS.md) serves the shapes it supports
-    (`mgpu_decode.supports`) unless Triton tuning arguments are given; otherwise, and
-    interpreted, the Triton kernel (its interpreter is the reliable one)."""
-    from forkjax.pallas_kernels import mgpu_decode  # (it imports this module)
-
+def residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k, b_v,
+                    adapter_ids, inv_freq, *, sm_scale=None, interpret=False, layer=None,
+                    block_k=None, k_splits=None, num_warps=None, num_stages=None,
+                    reconstruct_k=None, swap_ab=None):
+    """ResidualAttention for one new token per request -> [B, Hq, D]: the kernel with one query
+    token a program (block_q = 1)."""
     lengths = lengths.astype(jnp.int32)
-    hkv, page, d = k_base.shape[-4], k_base.shape[-2], k_base.shape[-1]
-    tuned = (block_k, num_warps, num_stages, reconstruct_k, swap_ab) != (None,) * 5
-    if kernel is None:
-        kernel = "mosaic" if not interpret and not tuned and mgpu_decode.serves(
-            q.shape[1], hkv, d, page, k_res.shape[-1], k_base.dtype) else "triton"
-    if kernel not in ("triton", "mosaic"):
-        raise ValueError(f"kernel must be 'triton', 'mosaic' or None, not {kernel!r}")
-    if kernel == "mosaic":
-        return mgpu_decode.mgpu_residual_decode(
-            q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k, b_v,
-            adapter_ids, inv_freq, layer=layer, sm_scale=sm_scale, k_splits=k_splits,
-            interpret=interpret)
     out = _paged_attention(
         q[:, None], k_base, v_base, base_pages, lengths - 1, jnp.ones_like(lengths),
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
@@ -613,47 +532,26 @@ def _merge_pages(k_base, v_base, base_pages, res, layer):
     return pages_of(k), pages_of(v), jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
 
 
-# The materialising extend path (below) is taken for chunks of at least MATERIALIZE_MIN_TOKENS
-# tokens when the page tables span at most MATERIALIZE_MAX_SLOTS token slots in all (the scratch
-# holds every slot the tables span: B * M * S * Hkv * D elements for K and for V).
+# The materialising extend path (`residual_extend`) is taken for chunks of at least
+# MATERIALIZE_MIN_TOKENS tokens when the page tables span at most MATERIALIZE_MAX_SLOTS token slots
+# in all (the scratch holds every slot the tables span: B * M * S * Hkv * D elements for K and
+# for V).
 MATERIALIZE_MIN_TOKENS = 64
 MATERIALIZE_MAX_SLOTS = 65536
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("materialize",))
-def residual_attention_extend(
-    q,  # [B, T, Hq, D]   queries of the new tokens, RoPE applied, padded per request
-    k_base,  # [Hkv, P, S, D]  (new tokens already written)
-    v_base,  # [Hkv, P, S, D]
-    k_res,  # [Pr, S, R]
-    v_res,  # [Pr, S, R]
-    base_pages,  # [B, M] int32
-    res_pages,  # [B, M] int32
-    prefix_lengths,  # [B] int32   cached tokens before the chunk
-    chunk_lengths,  # [B] int32    new tokens in the chunk (<= T)
-    b_k,  # [A, R, Hkv, D]
-    b_v,  # [A, R, Hkv, D]
-    adapter_ids,  # [B] int32
-    inv_freq,  # [D//2] float32
-    *,
-    sm_scale=None,
-    interpret=False,
-    layer=None,
-    block_q=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
-    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    materialize=None,  # rebuild merged K/V in HBM first (default: see MATERIALIZE_*)
-):
+def residual_extend(q, k_base, v_base, k_res, v_res, base_pages, res_pages, prefix_lengths,
+                    chunk_lengths, b_k, b_v, adapter_ids, inv_freq, *, sm_scale=None,
+                    interpret=False, layer=None, block_q=None, block_k=None, k_splits=None,
+                    num_warps=None, num_stages=None, reconstruct_k=None, swap_ab=None,
+                    materialize=None):
     """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D].
 
     Two ways, same result. A prefill chunk is compute-bound: T queries share every key, so
     rebuilding the merged K/V of the requests' pages in HBM (O(L) bytes, tiny next to the
     O(T L) attention FLOPs) and running the unified kernel over them beats rebuilding each key
     on chip once per query block. Short chunks reconstruct on chip (no scratch, no extra pass).
+    materialize=None: the first way for long chunks (MATERIALIZE_*).
     """
     res = (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq)
     if materialize is None:
@@ -672,24 +570,10 @@ def residual_attention_extend(
         reconstruct_k=reconstruct_k, swap_ab=swap_ab)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED_DECODE)
-def unified_attention_decode(
-    q,  # [B, Hq, D]
-    k_pages,  # [Hkv, P, S, D] merged keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
-    v_pages,  # [Hkv, P, S, D]
-    page_table,  # [B, M] int32
-    lengths,  # [B] int32
-    *,
-    sm_scale=None,
-    interpret=False,
-    layer=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    swap_ab=None,
-):
-    """Plain paged GQA decode over a merged cache (`prefix` / `full_reuse`) -> [B, Hq, D]."""
+def unified_decode(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None, interpret=False,
+                   layer=None, block_k=None, k_splits=None, num_warps=None, num_stages=None,
+                   swap_ab=None):
+    """Plain paged GQA decode over a merged cache -> [B, Hq, D]."""
     lengths = lengths.astype(jnp.int32)
     out = _paged_attention(
         q[:, None], k_pages, v_pages, page_table, lengths - 1, jnp.ones_like(lengths), None,
@@ -698,126 +582,11 @@ def unified_attention_decode(
     return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED)
-def unified_attention_extend(
-    q,  # [B, T, Hq, D]
-    k_pages,  # [Hkv, P, S, D]
-    v_pages,  # [Hkv, P, S, D]
-    page_table,  # [B, M] int32
-    prefix_lengths,  # [B] int32
-    chunk_lengths,  # [B] int32
-    *,
-    sm_scale=None,
-    interpret=False,
-    layer=None,
-    block_q=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    swap_ab=None,
-):
+def unified_extend(q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths, *,
+                   sm_scale=None, interpret=False, layer=None, block_q=None, block_k=None,
+                   k_splits=None, num_warps=None, num_stages=None, swap_ab=None):
     """Plain paged causal attention for a chunk of new tokens per request -> [B, T, Hq, D]."""
     return _paged_attention(
         q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths, None, layer,
         sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
-
-
-# ----------------------------------------------------------------------------------------------
-# References: dense gather, reconstruct, masked softmax, all in float32 (HIGHEST precision).
-# ----------------------------------------------------------------------------------------------
-
-
-def _gather_pool(pool, pages, layer):
-    """[(L,) H, P, S, X] pool, [B, M] pages -> [B, H, M*S, X] f32; [(L,) P, S, X] -> [B, M*S, X]."""
-    if layer is not None:
-        pool = pool[layer]
-    if pool.ndim == 4:
-        g = pool[:, pages]  # [H, B, M, S, X]
-        h, b, m, s, x = g.shape
-        return g.reshape(h, b, m * s, x).transpose(1, 0, 2, 3).astype(jnp.float32)
-    g = pool[pages]  # [B, M, S, X]
-    b, m, s, x = g.shape
-    return g.reshape(b, m * s, x).astype(jnp.float32)
-
-
-def _reference(q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths, res, layer,
-               sm_scale):
-    hi = lax.Precision.HIGHEST
-    B, T, Hq, D = q.shape
-    Hkv = k_base.shape[-4]
-    G = Hq // Hkv
-    k = _gather_pool(k_base, base_pages, layer)  # [B, Hkv, N, D]
-    v = _gather_pool(v_base, base_pages, layer)
-    N = k.shape[2]
-    if res is not None:
-        k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq = res
-        rk = _gather_pool(k_res, res_pages, layer)  # [B, N, R]
-        rv = _gather_pool(v_res, res_pages, layer)
-        bk = b_k[adapter_ids].astype(jnp.float32)  # [B, R, Hkv, D]
-        bv = b_v[adapter_ids].astype(jnp.float32)
-        y = jnp.einsum("bnr,brhd->bhnd", rk, bk, precision=hi)
-        c, s = rope_cos_sin(jnp.arange(N), inv_freq)  # [N, D/2]
-        c = jnp.concatenate([c, c], -1)
-        s = jnp.concatenate([s, s], -1)
-        k = k + y * c + rotate_half(y) * s
-        v = v + jnp.einsum("bnr,brhd->bhnd", rv, bv, precision=hi)
-    total = (prefix_lengths + chunk_lengths).astype(jnp.int32)
-    kv = jnp.arange(N)
-    kv_ok = kv[None, :] < total[:, None]  # [B, N]
-    v = jnp.where(kv_ok[:, None, :, None], v, 0.0)
-    pos = prefix_lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    vis = (kv[None, None, :] <= pos[:, :, None]) & kv_ok[:, None, :]  # [B, T, N]
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    scale = D ** -0.5 if sm_scale is None else sm_scale
-    logits = jnp.einsum("bthgd,bhnd->bthgn", qf, k, precision=hi) * scale
-    logits = jnp.where(vis[:, :, None, None, :], logits, -jnp.inf)
-    mx = jnp.max(logits, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.exp(logits - mx)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    out = jnp.einsum("bthgn,bhnd->bthgd", p, v, precision=hi).reshape(B, T, Hq, D)
-    live = jnp.arange(T)[None, :] < chunk_lengths[:, None]
-    return jnp.where(live[:, :, None, None], out, 0.0).astype(q.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def residual_attention_decode_reference(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
-                                        lengths, b_k, b_v, adapter_ids, inv_freq, *,
-                                        sm_scale=None, layer=None):
-    """Same contract as `residual_attention_decode`; dense, float32."""
-    lengths = lengths.astype(jnp.int32)
-    return _reference(q[:, None], k_base, v_base, base_pages, lengths - 1,
-                      jnp.ones_like(lengths),
-                      (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq),
-                      layer, sm_scale)[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def residual_attention_extend_reference(q, k_base, v_base, k_res, v_res, base_pages, res_pages,
-                                        prefix_lengths, chunk_lengths, b_k, b_v, adapter_ids,
-                                        inv_freq, *, sm_scale=None, layer=None):
-    """Same contract as `residual_attention_extend`; dense, float32."""
-    return _reference(q, k_base, v_base, base_pages, prefix_lengths.astype(jnp.int32),
-                      chunk_lengths.astype(jnp.int32),
-                      (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq),
-                      layer, sm_scale)
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def unified_attention_decode_reference(q, k_pages, v_pages, page_table, lengths, *,
-                                       sm_scale=None, layer=None):
-    """Same contract as `unified_attention_decode`; dense, float32."""
-    lengths = lengths.astype(jnp.int32)
-    return _reference(q[:, None], k_pages, v_pages, page_table, lengths - 1,
-                      jnp.ones_like(lengths), None, layer, sm_scale)[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
-def unified_attention_extend_reference(q, k_pages, v_pages, page_table, prefix_lengths,
-                                       chunk_lengths, *, sm_scale=None, layer=None):
-    """Same contract as `unified_attention_extend`; dense, float32."""
-    return _reference(q, k_pages, v_pages, page_table, prefix_lengths.astype(jnp.int32),
-                      chunk_lengths.astype(jnp.int32), None, layer, sm_scale)

@@ -1,4 +1,5 @@
-"""Mosaic GPU decode kernels (mgpu_decode.py) against the float64 model: interpreted on the CPU
+"""Mosaic GPU decode kernels (pallas_kernels/paged_attention/mosaic.py) against the float64
+model: interpreted on the CPU
 (the interpreter also checks the barrier protocol), compiled on a GPU. The interpreter ignores
 layouts, tilings and TMA limits; lowering for CUDA, which works on a CPU-only jaxlib, checks them
 (test_mgpu_lowers_for_cuda)."""
@@ -9,14 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from forkjax.pallas_kernels.mgpu_decode import (
+from forkjax.pallas_kernels.paged_attention.mosaic import (
     mgpu_residual_decode,
     mgpu_unified_decode,
     query_rows,
 )
-from forkjax.pallas_kernels.mgpu_operands import query_operands_reference
-from test_mgpu_operands import lower_for_h200
-from test_residual_attention import decode_case, np_attention, rel_err
+from forkjax.pallas_kernels.paged_attention.mosaic_operands import query_operands_reference
+from test_paged_attention_kernels import decode_case, np_attention, rel_err
+from test_paged_attention_mosaic_operands import lower_for_h200
 
 INTERPRET = jax.default_backend() != "gpu"
 
@@ -100,7 +101,7 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
 
 def test_mgpu_supports_only_swizzled_u_widths():
     """U is [64, G*R] in shared memory: its rows must be 32, 64 or a multiple of 128 bytes."""
-    from forkjax.pallas_kernels.mgpu_decode import supports
+    from forkjax.pallas_kernels.paged_attention.mosaic import supports
     assert supports(32, 8, 128, 16, 16, jnp.bfloat16) and supports(96, 8, 64, 16, 16, jnp.bfloat16)
     assert not supports(24, 8, 64, 16, 16, jnp.bfloat16)  # G = 3: rows of 96 bytes
     assert not supports(40, 8, 64, 16, 16, jnp.bfloat16)  # G = 5: 160 bytes
@@ -116,8 +117,11 @@ def test_mgpu_fewer_ctas_than_items_needs_one_consumer():
 
 
 def test_mgpu_default_ctas():
-    """One CTA per SM for one-consumer kernels with 1.5+ items an SM, else one per item."""
-    from forkjax.pallas_kernels.mgpu_decode import SMS, _num_ctas
+    """One CTA per SM for one-consumer kernels with 1.5+ items an SM, else one per item (the
+    device's SM count: 132 off a GPU)."""
+    from forkjax.pallas_kernels.paged_attention.mosaic import _num_ctas
+    from forkjax.pallas_kernels.tuning import sm_count
+    SMS = sm_count()
     assert _num_ctas(512, None, 1) == SMS and _num_ctas(198, None, 1) == SMS
     assert _num_ctas(136, None, 1) == 136  # B=1's split items: a CTA each
     assert _num_ctas(512, None, 2) == 512  # two consumers: one item a CTA

@@ -1,7 +1,9 @@
-"""ResidualAttention / unified paged attention kernels against an independent float64 numpy model.
+"""ResidualAttention / unified paged attention (pallas_kernels/paged_attention/, through its
+api.py) against an independent float64 numpy model.
 
-On the CPU the kernels run in Pallas interpret mode; on a GPU (the device tool) the same tests
-run the compiled Triton kernels. Grids are kept small so the CPU run stays short.
+On the CPU the kernels run in Pallas interpret mode (the Triton kernel: api.py's automatic
+choice when interpreted); on a GPU (the device tool) the same tests run the compiled kernels the
+automatic choice picks there. Grids are kept small so the CPU run stays short.
 """
 
 from __future__ import annotations
@@ -219,10 +221,10 @@ def test_decode_odd_head_dim():
     assert err < 1e-3, err
 
 
-def test_decode_rejects_unknown_kernel():
+def test_decode_rejects_unknown_backend():
     c = decode_case(2, [5], dtype=np.float32)
-    with pytest.raises(ValueError, match="kernel must be"):
-        run_decode(c, kernel="cuda")
+    with pytest.raises(ValueError, match="backend must be"):
+        run_decode(c, backend="cuda")
 
 
 def test_decode_rope_far_from_zero():
@@ -373,7 +375,7 @@ def test_kernels_lower_for_cuda(kernel):
     fn, args, kw = {
         "residual_decode": (residual_attention_decode, (
             c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages, *res,
-            jnp.asarray(c.prefix + 1), *lora), {"kernel": "triton"}),  # (else Mosaic on a GPU)
+            jnp.asarray(c.prefix + 1), *lora), {"backend": "triton"}),  # (else Mosaic on a GPU)
         "unified_decode": (unified_attention_decode, (
             c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1)), {}),
         "residual_extend": (residual_attention_extend, (

@@ -1,6 +1,6 @@
 """The Mosaic residual decode's Triton operand and epilogue kernels (pallas_kernels/
-mgpu_operands.py) against float64 numpy and against their XLA references: interpreted on the
-CPU, compiled on a GPU."""
+paged_attention/mosaic_operands.py) against float64 numpy and against their XLA references:
+interpreted on the CPU, compiled on a GPU."""
 
 import functools
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax._src.mesh import AbstractDevice
 
-from forkjax.pallas_kernels.mgpu_decode import MASK_VALUE
-from forkjax.pallas_kernels.mgpu_operands import (
+from forkjax.pallas_kernels.paged_attention.mosaic import MASK_VALUE
+from forkjax.pallas_kernels.paged_attention.mosaic_operands import (
     decode_operands,
     query_operands,
     query_operands_reference,
@@ -101,7 +101,7 @@ def test_residual_combine_rejects_what_it_cannot_do():
 
 
 def _want_query(q, b_k, ids, n_q, dtype):
-    """qx, W (mgpu_operands' docstring) in float64 from q rounded to `dtype`."""
+    """qx, W (mosaic_operands' docstring) in float64 from q rounded to `dtype`."""
     B, Hq, D = q.shape
     _, R, Hkv, _ = b_k.shape
     G, h = Hq // Hkv, D // 2

@@ -2,7 +2,7 @@
 
 Why a second decode kernel: in the Triton kernel every key block runs one serial chain
 QK^T -> y = rK B_k -> rotation -> softmax -> PV in one warpgroup, with two programs per SM, so
-the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgroups:
+the loop is latency-bound (BENCHMARKS.md, Kernels). Here the chain is split across warpgroups:
   producer    streams rK, rV pages and the block's cos | sin table, then K, V pages, by TMA
               into a ring of `stages` slots (page ids read one step ahead);
   K-LoRA      (residual only) computes U = (tab @ W) * [rK, .., rK] for each block (below) and
@@ -12,9 +12,9 @@ the loop is latency-bound (BENCHMARKS.md). Here the chain is split across warpgr
               in the Triton kernel). Unified: S = Q K^T, O += P V. Residual, transposed so the
               G query heads (padded to 16) are wgmma's N instead of 64 padded M rows:
               S^T = K Q^T + U E^T, O^T += V^T P^T, O_r^T += rV^T P^T. Transposed, the
-              softmax's sums over keys run across the 4 warps (shared memory and two
+              softmax's sums over keys would run across the 4 warps (shared memory and two
               warpgroup barriers each): the denominator is left to the O_r^T wgmma instead,
-              as row R of O_r^T, with column R of every rV slot set to ones (-7% a call).
+              as row R of O_r^T, with column R of every rV slot set to ones.
 
 K-LoRA scores without rebuilding K. For query head g and a key t at position p, with rotate-half
 halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
@@ -24,18 +24,11 @@ halves q_g = (q1, q2) and rows b_r = (b1, b2) of B_k:
 so a 64-key block costs the K-LoRA warpgroup one [64, D] @ [D, G*R] wgmma and one element-wise
 product with rK repeated G times along columns (U), and the consumer sums over r inside its
 score wgmma: S^T += U @ E^T with E^T[g*R + r, g] = 1. No element of K is rotated; tab (2 MB for
-8k positions) stays in L2 and W is computed per call by a Triton kernel (mgpu_operands.py,
+8k positions) stays in L2 and W is computed per call by a Triton kernel (mosaic_operands.py,
 which also pads q, and runs the epilogue).
 
-Status (H200, with its operand and epilogue kernels, scripts/ab_mgpu.py; BENCHMARKS.md, sixteenth
-session): B=32, L=8k ~307 us a call (tenth session: the Triton unified kernel ~256, the Triton
-residual kernel ~416); B=64, L=2k ~173. `residual_attention_decode` (so the engine) runs it on a
-GPU where `supports` says so.
-A per-warpgroup trace (`profile_dir`, scripts/mgpu_profile.py) showed what bound the
-untransposed version: the attention warpgroup never waited, the producer and the K-LoRA
-warpgroup waited for it. Tried and slower (BENCHMARKS.md): a 4th K/V stage (the residual inputs
-in a ring of their own), the consumer awaiting the next block during its P V product, the cos |
-sin table built in the K-LoRA warpgroup (from block starts and offsets) instead of streamed.
+The producer only issues copies: it keeps 40 registers a thread and gives the rest of the CTA's
+to the math warpgroups (`_register_split`, setmaxnreg).
 
 Layout (the Triton split-K partials, so the combine is the same, transposed for residual):
   q      [B, Hkv, NQ, D]         the G query heads of KV head h in rows 0..G-1, zero rows after
@@ -53,12 +46,12 @@ An item is one (batch row, KV head, split). By default each CTA runs one; with `
 the items (one consumer only), CTA c runs items c, c + ctas, ... in turn, every warpgroup
 counting ring steps across them, so the producer streams the next item's first blocks while
 the consumer finishes the last one's. Meant for many short items (B=64, L=2k: 512 items of 32
-blocks, one CTA an SM, each paying the ring's fill and its output stores): 165 against 173 µs a
-layer in the engine on the H200 (BENCHMARKS.md, twelfth session); the default from 1.5 items an
-SM.
+blocks, one CTA an SM instead of each paying the ring's fill and its output stores); the
+default from 1.5 items an SM (BENCHMARKS.md, Engine).
 
-P goes through shared memory into its wgmma and accumulators are scoped refs: the only forms
-the CPU interpreter runs in jax 0.11.2 (scripts/diag_mosaic_gpu.py), so CI tests this kernel.
+The SM count and the shared memory a CTA may use are the device's (tuning.py; the H200's off a
+GPU). P goes through shared memory into its wgmma and accumulators are scoped refs: the forms
+the CPU interpreter runs in jax 0.11.2, so the CPU tests run this kernel too.
 """
 
 from __future__ import annotations
@@ -72,24 +65,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forkjax.pallas_kernels.mgpu_operands import (
+from forkjax.pallas_kernels.paged_attention.combine import combine_splits
+from forkjax.pallas_kernels.paged_attention.mosaic_operands import (
     query_operands,
     query_operands_reference,
     residual_combine,
     residual_combine_reference,
     supported,
 )
-from forkjax.pallas_kernels.residual_attention import combine_splits
-from forkjax.pallas_kernels.rope import rope_cos_sin
+from forkjax.pallas_kernels.tuning import sm_count, smem_bytes
+from forkjax.rope import rope_cos_sin
 
 ROWS = 64  # wgmma M: the query rows of one KV head, padded
 BLOCK_K = 64  # keys per step: 4 pages of 16
 PAGE = 16
-SMEM_BYTES = 232448  # dynamic shared memory of an H100 / H200 CTA
-SMS = 132  # streaming multiprocessors of an H200
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 WGMMA = plgpu.Layout.WGMMA
-PROFILE_RANGES = 96  # named-scope ranges a warpgroup records with `profile_dir` (then dropped)
 
 
 def _tiles(cols: int, dtype) -> tuple:
@@ -137,7 +128,7 @@ def _register_split(consumers: int, residual: bool) -> tuple[int, int]:
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: int, n_ctas: int,
-            stages: int, consumers: int, scale: float, residual: bool, skip: tuple):
+            stages: int, consumers: int, scale: float, residual: bool):
     if residual:
         (kr_ref, vr_ref, rpt_ref, w_ref, e_ref, tab_ref, o_ref, ml_ref, or_ref,
          q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_free, v_free,
@@ -174,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
             it = item(j)
             body(j, it, g)
             return g + it[4]
-        if n_ctas == n_items:  # one item a CTA: no loop around it (the kernel as it was)
+        if n_ctas == n_items:  # one item a CTA: no loop around it
             return run(0, jnp.int32(0))
         return lax.fori_loop(0, n_mine, run, jnp.int32(0))
 
@@ -195,8 +186,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
             def step(i, ids):
                 # Next step's page ids first: GMEM loads issued here complete behind this
-                # step's waits and copies (loaded in front of each copy, every page paid a
-                # load latency).
+                # step's waits and copies (loaded in front of each copy, every page would pay
+                # a load latency).
                 nxt = page_ids(i + 1)
                 slot = lax.rem(g + i, stages)
 
@@ -241,11 +232,12 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         @pl.when(wg == consumers)
         def _k_lora():  # U = (tab @ W) * [rK, .., rK]: the K-LoRA scores, not yet summed over r
             _set_registers(k_regs, n_wg)
-            if "rv" not in skip:  # column R of every rV slot is ones: row R of O_r^T sums P,
-                r = vr_smem.shape[-1]  # the softmax denominator (the copies below fill 0..R-1)
-                ones = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, 16), 1, layout=WGMMA) == 0
-                for st in range(stages):
-                    rvp_smem[st, :, pl.ds(r, 16)] = ones.astype(rvp_smem.dtype)
+            # column R of every rV slot is ones: row R of O_r^T sums P, the softmax
+            # denominator (the copies below fill 0..R-1)
+            r = vr_smem.shape[-1]
+            ones = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, 16), 1, layout=WGMMA) == 0
+            for st in range(stages):
+                rvp_smem[st, :, pl.ds(r, 16)] = ones.astype(rvp_smem.dtype)
 
             def one_item(j, it, g):
                 b, h, _, _, steps = it
@@ -263,9 +255,6 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                     rvp_smem[slot, :, pl.ds(0, vr_smem.shape[-1])] = vr_smem[slot]
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(v_ready.at[slot])
-                    if "k_lora" in skip:
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        return
                     with jax.named_scope("kl_mma"):
                         (t,) = _mma([[(tab_smem.at[slot], w_smem)]], [u_smem.shape[1:]])
                     rk = kr_smem[slot].astype(jnp.float32)
@@ -283,10 +272,10 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                     plgpu.barrier_arrive(u_ready.at[u])
 
             total = over_items(one_item)
-            if "k_lora" not in skip:
-                @pl.loop(jnp.maximum(total - u_slots, 0), total)  # observe the last releases
-                def _(i):
-                    plgpu.barrier_wait(u_free.at[lax.rem(i, u_slots)])
+
+            @pl.loop(jnp.maximum(total - u_slots, 0), total)  # observe the last releases
+            def _(i):
+                plgpu.barrier_wait(u_free.at[lax.rem(i, u_slots)])
 
     @pl.when(wg < consumers)
     def _attention():
@@ -296,11 +285,11 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
         # 16 padded query rows are wgmma's N, not its M of 64; the softmax runs down the keys.
         ax = int(residual)  # the query axis of S (S^T)
         n_q = q_smem.shape[0]
-        vs = (v_smem, rvp_smem) if residual and "rv" not in skip else (v_smem,)
+        vs = (v_smem, rvp_smem) if residual else (v_smem,)
         sum_p = len(vs) == 1  # else the O_r^T product sums P (rV's column R is ones)
         o_shapes = [(ref.shape[-1], n_q) if residual else (n_q, d) for ref in vs]
         s_shape = (BLOCK_K, n_q) if residual else (n_q, BLOCK_K)
-        use_u = residual and "k_lora" not in skip
+        use_u = residual
 
         def load_q(j):
             # each consumer loads (the same) q (and E^T) and tracks its own copy; the previous
@@ -334,7 +323,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
                     u = lax.rem(g + i, u_slots)
 
                     def wait_u():  # after K q^T is issued: U may still be on its way
-                        with jax.named_scope("c_wait_u"):  # (B=32, L=8k: -1.8%)
+                        with jax.named_scope("c_wait_u"):
                             plgpu.barrier_wait(u_ready.at[u])
 
                     terms += [wait_u, (u_smem.at[u], e_smem)]
@@ -394,11 +383,11 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, layer_ref, *rest, k_splits: in
 
 def _k_lora_tables(G, R, inv_freq, n_blocks, n_q, dt):
     """-> E^T [G*R, n_q], tab [n_blocks, BLOCK_K, D] (see the module docstring; W comes from
-    `mgpu_operands.query_operands`).
+    `mosaic_operands.query_operands` or `decode_operands`).
 
-    tab by angle addition (block start + offset, each from `rope_cos_sin`): 6 sin/cos per entry
-    for every position cost 6 µs a call at 8k positions on the H200. (W^T, which XLA builds
-    without transposing, made the kernel's K-LoRA product slower: 350 against 331 µs.)"""
+    tab by angle addition, cos(p0 + i) = cos p0 cos i - sin p0 sin i (and sin alike), from the
+    tables of the block starts p0 and of the offsets i (each `rope_cos_sin`'s exact angles):
+    n_blocks + BLOCK_K table rows instead of 6 sin/cos for every position."""
     e_t = jnp.arange(G * R)[:, None] // R == jnp.arange(n_q)[None, :]
     c0, s0 = rope_cos_sin(jnp.arange(n_blocks) * BLOCK_K, inv_freq)  # [n_blocks, D/2] starts
     c1, s1 = rope_cos_sin(jnp.arange(BLOCK_K), inv_freq)  # [BLOCK_K, D/2] offsets
@@ -413,8 +402,8 @@ def query_rows(G: int, residual: bool) -> int:
     return -(-G // 16) * 16 if residual else ROWS
 
 
-def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
-    """Shared memory of the kernel (R = 0: unified) -> (scratch types, bytes incl. extra)."""
+def _scratch(G, R, D, dt, stages, consumers):
+    """Shared memory of the kernel (R = 0: unified) -> (scratch types, bytes)."""
     residual = R > 0
     n_q, ppb = query_rows(G, residual), BLOCK_K // PAGE
     # Mosaic GPU wants both shared-memory operands of a wgmma tiled alike: transposed, V, rV,
@@ -444,11 +433,11 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
             plgpu.Barrier(),  # W
             plgpu.Barrier(num_arrivals=2 * ppb + 1, num_barriers=stages),  # rK, rV, tab
         ]
-    smem = extra_bytes + sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                             for x in scratch if hasattr(x, "shape"))
-    if residual:  # U: two slots per consumer where they fit (K-LoRA runs a block ahead: -2%)
+    smem = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+               for x in scratch if hasattr(x, "shape"))
+    if residual:  # U: two slots per consumer where they fit (K-LoRA then runs a block ahead)
         u_bytes = BLOCK_K * G * R * jnp.dtype(dt).itemsize
-        u_slots = consumers * (2 if smem + 2 * consumers * u_bytes <= SMEM_BYTES else 1)
+        u_slots = consumers * (2 if smem + 2 * consumers * u_bytes <= smem_bytes() else 1)
         smem += u_slots * u_bytes
         scratch += [plgpu.SMEM((u_slots, BLOCK_K, G * R), dt, transforms=ntile),  # U
                     plgpu.Barrier(num_barriers=u_slots),  # U ready
@@ -458,9 +447,10 @@ def _scratch(G, R, D, dt, stages, consumers, extra_bytes=0):
 
 def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
     """CTAs to launch for n_items (batch row, KV head, split) items."""
+    sms = sm_count()
     if ctas is None:  # one CTA per SM from 1.5 items an SM (fewer: a tail of CTAs running two
-        # items each while the rest idle); B=64 decode -1.4% (BENCHMARKS.md, twelfth session)
-        ctas = SMS if consumers == 1 and 2 * n_items >= 3 * SMS else n_items
+        # items each while the rest idle)
+        ctas = sms if consumers == 1 and 2 * n_items >= 3 * sms else n_items
     n_ctas = max(1, min(ctas, n_items))
     if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
         raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
@@ -468,9 +458,9 @@ def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
 
 
 def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits, ctas,
-            stages, consumers, interpret, skip=(), profile_dir=""):
+            stages, consumers, interpret):
     Hkv, _, S, _ = k_pages.shape[-4:]
-    if isinstance(q, tuple):  # residual: (qx, W) from mgpu_operands.decode_operands
+    if isinstance(q, tuple):  # residual: (qx, W) from mosaic_operands.decode_operands
         (B, _, _, D), out_dtype = q[0].shape, q[0].dtype
         Hq = Hkv * q[1].shape[-1] // res[0].shape[-1]
     else:
@@ -491,9 +481,9 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     ppb = BLOCK_K // S
     mp = -(-page_table.shape[1] // ppb) * ppb
     if k_splits is None:  # one CTA per SM (shared memory): split the keys so that the items
-        # fill the SMs in at most one wave (rounded up, a second wave as long as the first ran
-        # a few CTAs: scripts/diag_decode_splits.py)
-        k_splits = max(1, min(SMS // (B * Hkv), mp // ppb))
+        # fill the SMs in at most one wave (rounded down: rounded up, a second wave of a few
+        # CTAs would take as long as the first)
+        k_splits = max(1, min(sm_count() // (B * Hkv), mp // ppb))
     n_items = B * Hkv * k_splits
     n_ctas = _num_ctas(n_items, ctas, consumers)
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
@@ -525,39 +515,28 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
                  *_k_lora_tables(G, R, inv_freq, mp // ppb, n_q, dt)]
         out_type.append(jax.ShapeDtypeStruct((B, n_out, Hkv, ROWS, n_q), f32))  # O_r^T
     n_wg = consumers + 1 + residual
-    # the profiler's buffer: per warpgroup and range two events of two int32 entries
-    scratch, smem = _scratch(G, R, D, dt, stages, consumers,
-                             bool(profile_dir) * PROFILE_RANGES * 2 * 2 * 4 * n_wg)
-    if smem > SMEM_BYTES:
+    scratch, smem = _scratch(G, R, D, dt, stages, consumers)
+    if smem > smem_bytes():
         raise ValueError(f"mgpu decode: {smem} B of shared memory for stages={stages} "
-                         f"consumers={consumers} G={G} R={R} D={D} (at most {SMEM_BYTES})")
+                         f"consumers={consumers} G={G} R={R} D={D} (at most {smem_bytes()})")
     kernel = plgpu.kernel(
         functools.partial(_kernel, k_splits=k_splits, n_ctas=n_ctas, stages=stages,
-                          consumers=consumers, scale=scale, residual=residual, skip=skip),
+                          consumers=consumers, scale=scale, residual=residual),
         out_type=tuple(out_type), scratch_types=scratch, grid=(n_ctas,), grid_names=("cta",),
         num_threads=n_wg, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            profile_space=PROFILE_RANGES, profile_dir=profile_dir, profile_bounds_check=True)
-        if profile_dir else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, ml, *rest = kernel(*args)
-    if residual and "rv" not in skip:  # O^T and O_r^T (its row R: l, P summed by its wgmma)
+    if residual:  # O^T and O_r^T (its row R: l, P summed by its wgmma)
         ml = ml if n_out > 1 else None  # (one split: nothing to rescale)
         if triton_ops and B * Hkv >= 16:  # the epilogue as one kernel of a program a (request,
-            # KV head); with fewer, XLA's is faster (mgpu_operands.py's docstring)
+            # KV head); with fewer programs XLA's, spread over more SMs, is faster
             return residual_combine(o, rest[0], b_v, adapter_ids, ml, groups=G,
                                     dtype=out_dtype, interpret=interpret)
         return residual_combine_reference(o, rest[0], b_v, adapter_ids, ml, groups=G,
                                           dtype=out_dtype)
     # Only the G real query rows (of n_q): sliced first, so the combine moves G/n_q of the data
-    o_r = bv = None
     l = ml[:, :, :, 1, :G]
-    if residual:  # skip="rv": no O_r^T product, l from the consumer's own sums
-        o, o_r = o[..., :G].swapaxes(-1, -2), rest[0][..., :R, :G].swapaxes(-1, -2)
-        bv = b_v[adapter_ids.astype(jnp.int32)].astype(f32)  # [B, R, Hkv, D]
-    else:
-        o = o[..., :G, :]
-    o = combine_splits(o, ml[:, :, :, 0, :G], l, o_r, bv)
+    o = combine_splits(o[..., :G, :], ml[:, :, :, 0, :G], l)
     return o.reshape(B, Hq, D).astype(out_dtype)
 
 
@@ -569,47 +548,38 @@ def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def serves(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool:
-    """Whether `residual_attention_decode` runs this kernel by default (compiled, not tuned):
-    on a GPU, for the shapes it supports."""
-    return jax.default_backend() == "gpu" and supports(Hq, Hkv, D, page_size, R, dtype)
-
-
 def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype, stages: int = 3,
              consumers: int = 1) -> bool:
     """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified), with a
-    ring of `stages` and `consumers` that fits shared memory (the defaults: the residual's)."""
+    ring of `stages` and `consumers` that fits the device's shared memory (the defaults: the
+    residual's)."""
     return (_shapes_ok(Hq, Hkv, D, page_size, R, dtype)
-            and _scratch(Hq // Hkv, R, D, dtype, stages, consumers)[1] <= SMEM_BYTES)
+            and _scratch(Hq // Hkv, R, D, dtype, stages, consumers)[1] <= smem_bytes())
 
 
 _STATIC = ("sm_scale", "k_splits", "ctas", "stages", "consumers", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("skip", "profile_dir"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
                          b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
                          k_splits: int | None = None, ctas: int | None = None, stages: int = 3,
-                         consumers: int = 1, interpret: bool = False, skip: tuple = (),
-                         profile_dir: str = ""):
+                         consumers: int = 1, interpret: bool = False):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
     or 32, D 64 or 128, G * R 16, 32, 64, 128, 192 or 256, bf16/f16) -> [B, Hq, D].
 
     q: [B, Hq, D] with RoPE, or the kernel's operands (qx, W) as `decode_operands` builds them
-    (mgpu_operands.py; the output then has qx's dtype).
+    (mosaic_operands.py; the output then has qx's dtype).
 
     ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
     items in turn with one ring across them, so an item's first loads and its output stores
     overlap the streaming of the item before and after. None: one CTA per SM where there are
     1.5+ items an SM and one consumer, else one CTA per item.
-    skip: diagnosis only, outputs wrong on purpose: "k_lora" drops the K-LoRA scores, "rv" the
-    O_r^T = rV^T P^T product.
-    profile_dir: write a trace of the named scopes of each warpgroup there
-    (scripts/mgpu_profile.py reads it)."""
+    k_splits: None: as many as fill the SMs in one wave (at most one per key block)."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
                    sm_scale=sm_scale, k_splits=k_splits, ctas=ctas, stages=stages,
-                   consumers=consumers, interpret=interpret, skip=skip, profile_dir=profile_dir)
+                   consumers=consumers, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
