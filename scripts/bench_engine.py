@@ -38,9 +38,8 @@ def copy_bandwidth() -> float:
 
 def param_bytes(engine) -> int:
     """Parameter bytes a decode step reads: all of them but the input embedding table, of which
-    a step reads one row a token (tied, the table is also the LM head and is counted). Before
-    the fourteenth session the whole table was counted: 1.05 GB for Llama-3-8B, 0.24 ms of
-    roofline that no step spends, so every ratio before then reads 3-7% too low."""
+    a step reads one row a token (tied, the table is also the LM head and is counted). Counting
+    the whole table would add bytes no step reads (1.05 GB for Llama-3-8B)."""
     from flax import nnx
     model = engine.model
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
