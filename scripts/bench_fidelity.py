@@ -3,11 +3,12 @@
 agent computed first (forkjax/workflows/tasks.py), on the CPU.
 
     python scripts/bench_fidelity.py --quick --out /tmp/fidelity        # ~6 min on 2 cores
-    python scripts/bench_fidelity.py --out /tmp/fidelity                # 1k/2k/4k: ~35 min
+    python scripts/bench_fidelity.py --out /tmp/fidelity                # 1k/2k/4k: ~25 min
     # the rank sweep: agents of other ranks first (train_agents.py), then every set in one run
-    python scripts/train_agents.py --rank 4 --sets own --steps 80 --out /tmp/agents-r4
-    python scripts/bench_fidelity.py --adapters forkjax/models/adapters/smollm2-135m,/tmp/agents-r4 \
-        --contexts 1024 --directories 2 --policies forkkv,full_reuse --out /tmp/fidelity-rank
+    python scripts/train_agents.py --rank 4 --sets own --steps 80 --out /tmp/agents-r4   # and 16
+    R=forkjax/models/adapters/smollm2-135m
+    python scripts/bench_fidelity.py --adapters $R,/tmp/agents-r4,/tmp/agents-r16 --contexts 1024 \
+        --policies forkkv,full_reuse,base --out /tmp/fidelity-rank
 
 Per directory one agent (the writer, each role in turn) prefills the directory; every other agent
 (a reader) then asks `--tasks` questions on it. `prefix` is exact: every reader computes its own
