@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A session's GPU checks and benchmarks as one device-tool command each, results under $OUT.
-# Stages, run in the order given (each time-boxed; a device command may run 10 min at most):
+# GPU checks and benchmarks by stage, results under $OUT.
+# Stages, run in the order given (each time-boxed, so that a few fit a 10-minute command):
 #   tests   kernel (Triton, registry) + engine Pallas-path tests    tests.log          ~5 min
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
