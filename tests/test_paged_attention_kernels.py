@@ -2,7 +2,7 @@
 api.py) against an independent float64 numpy model.
 
 On the CPU the kernels run in Pallas interpret mode (the Triton kernel: api.py's automatic
-choice when interpreted); on a GPU (the device tool) the same tests run the compiled kernels the
+choice when interpreted); on a GPU the same tests run the compiled kernels the
 automatic choice picks there. Grids are kept small so the CPU run stays short.
 """
 
