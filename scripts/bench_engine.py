@@ -29,13 +29,6 @@ from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 from forkjax.pallas_kernels.paged_attention import triton as triton_attention
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second: the best XLA elementwise pass over 2-4 GiB, timed with
-    CUPTI as bench_kernels.py times the kernels (a wall-clock pass reads lower, which would
-    flatter the roofline ratio)."""
-    return timing.copy_bandwidth()[0]
-
-
 def param_bytes(engine) -> int:
     """Parameter bytes a decode step reads: all of them but the input embedding table, of which
     a step reads one row a token (tied, the table is also the LM head and is counted). Counting
@@ -116,7 +109,10 @@ def main():
     adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
     if args.target_programs:  # read when the steps are traced, i.e. after this
         triton_attention._TARGET_PROGRAMS = args.target_programs
-    bw = copy_bandwidth()  # first: its 4 GiB buffers fit beside nothing else
+    # Bytes read + written per second, timed with CUPTI as the kernels are (a wall-clock pass
+    # reads lower, which would flatter the roofline ratio); first: its 4 GiB buffers fit beside
+    # nothing else.
+    bw = timing.copy_bandwidth()[0]
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
                                             cache_policy=args.policy, max_batch_size=64,

@@ -78,8 +78,9 @@ def run_policy(policy: str, adapters: dict, args) -> list[dict]:
         readers = [r for r in roles if r != writer]
         head, _ = tasks.chat_pieces(tok)
         ctx = tasks.encode(tok, head + tasks.context_text(records))
-        engine.generate([ctx], adapters=[writer], max_new_tokens=1,
-                        fanout_adapters=readers if policy == "forkkv+fanout" else None)
+        if policy != "base":  # the base model reads nothing the writer computes
+            engine.generate([ctx], adapters=[writer], max_new_tokens=1,
+                            fanout_adapters=readers if policy == "forkkv+fanout" else None)
         print(f"  {policy}: directory {j} of {n} tokens, written by {writer}", flush=True)
         for reader in readers:
             rng = np.random.default_rng([args.seed, n, j, roles.index(reader)])
@@ -162,8 +163,8 @@ def main(argv=None):
             t = time.perf_counter()
             runs[name] = run_policy(name.split("/")[0], shared if name in ("lrshared", "prefix/shared-a")
                                     else own, args)
-            result["seconds"][f"{name}, rank {rank}"] = time.perf_counter() - t
-            print(f"{name}, rank {rank}: {time.perf_counter() - t:.0f} s", flush=True)
+            seconds = result["seconds"][f"{name}, rank {rank}"] = time.perf_counter() - t
+            print(f"{name}, rank {rank}: {seconds:.0f} s", flush=True)
         for name in names:
             exact = runs[EXACT.get(name, name)]
             if k == 0:
