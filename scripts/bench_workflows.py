@@ -42,7 +42,6 @@ DIR/breakdown.png (Fig. 14 style), all rewritten after every run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import csv
 import gc
@@ -61,7 +60,7 @@ from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows)
 from forkjax.workflows.agents import agent_adapters
-from forkjax.workflows.driver import run_in_process
+from forkjax.workflows.runners import InProcess, OverHttp
 from forkjax.workflows.plots import plot_breakdown, plot_throughput
 
 POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
@@ -149,42 +148,6 @@ def check_args(args) -> tuple[list[str], list[int]]:
     if args.kv_cache_bytes < 1:
         raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
     return policies, counts
-
-
-class InProcess:
-    """Runs workflows through the Engine API."""
-
-    def __init__(self, engine, fanout: bool):
-        self.engine, self.fanout = engine, fanout
-
-    def fresh(self):
-        self.engine.flush_cache()
-        self.engine.reset_stats()
-
-    def run(self, workflows, desc: str):
-        return run_in_process(self.engine, workflows, fanout=self.fanout, desc=desc), self.engine.stats()
-
-
-class OverHttp:
-    """Runs workflows through the HTTP API of a LocalServer over the engine."""
-
-    def __init__(self, server, fanout: bool):
-        self.server, self.fanout = server, fanout
-
-    def fresh(self):
-        engine = self.server.loop.engine
-        self.server.call(lambda: (engine.flush_cache(), engine.reset_stats()))
-
-    def run(self, workflows, desc: str):
-        from forkjax.workflows.http_driver import run_http, scrape, stats_between
-
-        async def go():
-            before = await scrape(self.server.url)
-            result = await run_http(self.server.url, workflows, fanout=self.fanout, desc=desc)
-            return result, stats_between(before, await scrape(self.server.url))
-        result, stats = asyncio.run(go())
-        stats.setdefault("prefill_tokens_computed", None)  # a server that does not export it yet
-        return result, stats
 
 
 class CompileTimes:

@@ -55,3 +55,18 @@ def engine_for(hf_suite):
                                               cache_policy="prefix", **SMALL)
 
     return make
+
+
+# One server of each kind per xdist worker, shared by the server tests of every module: each
+# start-up compiles the server's programs. serve_utils is imported inside: the GPU machine runs
+# the kernel tests without the openai client it needs.
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    from serve_utils import SERVER_ARGS, serve
+    yield from serve(tmp_path_factory, SERVER_ARGS)
+
+
+@pytest.fixture(scope="session")
+def forkkv_server(tmp_path_factory):
+    from serve_utils import FORKKV_ARGS, serve
+    yield from serve(tmp_path_factory, FORKKV_ARGS)
