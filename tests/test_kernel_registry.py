@@ -14,7 +14,7 @@ from forkjax.cache import KVPools, write_kv
 from forkjax.pallas_kernels.kv_write import api as kvw
 from forkjax.pallas_kernels.kv_write import mosaic as kvw_mosaic
 from forkjax.pallas_kernels.paged_attention import api
-from test_paged_attention_kernels import decode_case, make_case
+from attention_cases import decode_case, make_case
 
 sd = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16

@@ -16,8 +16,7 @@ from forkjax.pallas_kernels.paged_attention.mosaic import (
     query_rows,
 )
 from forkjax.pallas_kernels.paged_attention.mosaic_operands import query_operands_reference
-from test_paged_attention_kernels import decode_case, np_attention, rel_err
-from test_paged_attention_mosaic_operands import lower_for_h200
+from attention_cases import decode_case, lower_for_h200, np_attention, rel_err
 
 INTERPRET = jax.default_backend() != "gpu"
 

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice
 
 from forkjax.pallas_kernels.paged_attention.mosaic import MASK_VALUE
 from forkjax.pallas_kernels.paged_attention.mosaic_operands import (
@@ -19,17 +18,9 @@ from forkjax.pallas_kernels.paged_attention.mosaic_operands import (
     residual_combine_reference,
     supported,
 )
+from attention_cases import lower_for_h200
 
 INTERPRET = jax.default_backend() != "gpu"
-
-
-def lower_for_h200(fn, *args) -> str:
-    """StableHLO text of fn(*args) lowered for CUDA, on any machine: Triton's lowering asks for
-    the GPU's kind, which an abstract device gives off the GPU."""
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=h200)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _case(seed, B=3, Hkv=2, D=64, NQ=16, RB=64, R=16, N=5, S=1):
