@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.mesh import AbstractDevice
 
+from forkjax.pallas_kernels.tuning import H200
+
 
 # ------------------------------------------------------------------ float64 numpy model
 
@@ -159,7 +161,7 @@ def decode_case(seed, lengths, **kw):
 def lower_for_h200(fn, *args) -> str:
     """StableHLO text of fn(*args) lowered for CUDA, on any machine: Triton's lowering asks for
     the GPU's kind, which an abstract device gives off the GPU."""
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=H200["core_count"], platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                   abstract_device=h200)):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
