@@ -12,9 +12,10 @@ every KV page no running request holds). --api-key guards /v1, /flush_cache, /to
 /detokenize.
 
 Both generation endpoints take vLLM's `cache_salt` (requests share cached pages only within one
-salt) and two forkjax fields: `session_id` (the requests of one workflow;
-under lpm, after each ends its pages are evicted after others' for a while, so the next turn
-finds them) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
+salt) and forkjax fields: `session_id` (the requests of one workflow: whole workflows are
+admitted as they fit, and a workflow's pages are kept between its turns until a request with
+`session_end` finishes or it has been idle for --session-ttl seconds; `session_tokens` hints its
+final length) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
 writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
 none). A server started without --residual-fanout compiles the fan-out programs at the first
 such request. --schedule-policy picks the admission order (lpm: cached prefixes first, with a
@@ -45,6 +46,7 @@ import uvicorn
 import forkjax
 from forkjax.engine.compiler import COMPILER
 from forkjax.engine.engine import WARMUP_MODES
+from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.server.app import create_app
 from forkjax.server.engine_loop import EngineLoop, display_path
 
@@ -95,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
                    help="admission order: lpm serves cached prefixes first, with a bounded wait "
                         "(%(default)s)")
+    p.add_argument("--session-ttl", type=float, default=SESSION_TTL_S, metavar="SECONDS",
+                   help="seconds a session (session_id) with no request keeps its KV pages: about "
+                        "your longest tool call (%(default)s); a request with session_end releases "
+                        "them at once")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-, chunking- and cache-invariant logits: one program per step kind "
                         "(slower: BENCHMARKS.md, deterministic mode)")
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.residual_fanout and args.cache_policy != "forkkv":
         parser.error(f"--residual-fanout needs --cache-policy forkkv, not {args.cache_policy}")
+    if not 0 <= args.session_ttl < float("inf"):
+        parser.error(f"--session-ttl {args.session_ttl}: expected finite seconds >= 0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("forkjax").setLevel(args.log_level.upper())
     if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None):
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
-            warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
+            session_ttl_s=args.session_ttl, warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")
     loop = EngineLoop(engine)

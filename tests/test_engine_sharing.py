@@ -111,57 +111,6 @@ def test_fanout_writes_the_other_agents_xA_from_this_agents_hidden_states(hf_sui
             assert not got[:, w.shape[0]:].any()  # ranks zero-padded to the slots' R
 
 
-def _workflows(engine, policy_names, turns=3, n=4, ctx=160, gen=8, obs=8):
-    """Closed-loop multi-turn workflows: turn t of workflow w appends its output and an
-    observation to the shared history; the next turn starts when one ends."""
-    hist = [_prompt(100 + w, ctx) for w in range(n)]
-    params = SamplingParams(max_new_tokens=gen, ignore_eos=True)
-    live = {w: engine.add_request(hist[w], policy_names[0], params, session_id=f"w{w}")
-            for w in range(n)}
-    done = {w: 0 for w in range(n)}
-    while live:
-        engine.step()
-        for w, seq in list(live.items()):
-            if seq.status is Status.FINISHED:
-                assert seq.error is None
-                done[w] += 1
-                hist[w] = hist[w] + seq.output + _prompt(200 + 10 * w + done[w], obs)
-                del live[w]
-                if done[w] < turns:
-                    name = policy_names[done[w] % len(policy_names)]
-                    live[w] = engine.add_request(hist[w], name, params, session_id=f"w{w}")
-    return sum(len(h) for h in hist) - n * obs
-
-
-def test_lpm_admission_computes_each_token_about_once_where_fifo_recomputes():
-    # 4 workflows of ~200 tokens (13 pages) each under a pool of 28 base pages: about half fit.
-    # (No request waits long enough to become urgent, however slow the machine.)
-    kw = dict(kv_cache_bytes=28 * 32768, max_wait_s=1e9)
-    lpm = _engine("prefix", **kw)
-    distinct = _workflows(lpm, ["a0"])
-    fifo = _engine("prefix", schedule_policy="fifo", **kw)
-    assert _workflows(fifo, ["a0"]) == distinct
-    computed = {"lpm": lpm.stats()["prefill_tokens_computed"],
-                "fifo": fifo.stats()["prefill_tokens_computed"]}
-    assert computed["lpm"] <= 1.1 * distinct, computed
-    assert computed["fifo"] >= 1.5 * distinct, computed
-    assert lpm.stats()["preemptions"] == 0
-
-
-def test_older_workflows_keep_their_caches_when_not_all_fit():
-    """Three agents take turns under `prefix` (each keeps its own copy of the history): the pool
-    holds about two of four workflows. By recency alone each turn evicts what another
-    workflow's next turn needs (fifo: no hits at all); `lpm` lets the older workflows keep
-    theirs and runs the younger ones as room frees."""
-    kw = dict(kv_cache_bytes=80 * 32768, max_wait_s=1e9)
-    runs = {sp: _engine("prefix", schedule_policy=sp, **kw) for sp in ("lpm", "fifo")}
-    for engine in runs.values():
-        _workflows(engine, ["a0", "a1", "a2"], turns=6)
-    lpm, fifo = (runs[sp].stats() for sp in ("lpm", "fifo"))
-    assert fifo["base_hit_rate"] == 0 and lpm["base_hit_rate"] > 0.2
-    assert lpm["prefill_tokens_computed"] < 0.8 * fifo["prefill_tokens_computed"]
-
-
 def test_a_waiting_request_is_not_starved_forever():
     """A long request behind a stream of short ones that reuse cached prefixes: `lpm` prefers
     the short ones until the long one has waited max_wait_s, then admits it first."""

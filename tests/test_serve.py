@@ -100,6 +100,29 @@ def test_cache_salt_separates_tenants(server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
+def test_session_end_releases_the_session_over_http(server):
+    """A session stays open between its turns and closes when its session_end request ends;
+    bad session fields get a 400 naming the field."""
+    open_ = "forkjax:sessions_open"
+    with server.http() as http:
+        before = server.metrics()[open_]
+        complete(http, model="critic", prompt="turn one", max_tokens=2, session_id="http-wf",
+                 session_tokens=64)
+        assert server.metrics()[open_] == before + 1
+        chat = http.post("/v1/chat/completions", json={
+            "model": "critic", "messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2,
+            "session_id": "http-wf", "session_end": True})
+        assert chat.status_code == 200, chat.text
+        assert server.metrics()[open_] == before
+        for field, value in (("session_end", "yes"), ("session_tokens", 0)):
+            bad = http.post("/v1/completions", json={"model": "critic", "prompt": "x",
+                                                     "session_id": "s", field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+        bad = http.post("/v1/completions", json={"model": "critic", "prompt": "x", "session_end": True})
+        assert bad.status_code == 400 and "session_id" in bad.json()["error"]["message"]
+    assert server.metrics()[open_] == before
+
+
 def test_completions_select_the_adapter(server):
     client = server.openai()
     outs = {}

@@ -43,14 +43,15 @@ class ScriptedEngine:
     def by_name(self):
         return {n: (i, type("A", (), {"source": n})) for i, n in enumerate(self.adapters)}
 
-    def add_request(self, prompt, adapter, params, *, session_id=None, fanout_adapters=None,
-                    cache_salt=None):
+    def add_request(self, prompt, adapter, params, *, session_id=None, session_end=False,
+                    session_tokens=None, fanout_adapters=None, cache_salt=None):
         if adapter is not None and adapter not in self.adapters:
             raise KeyError(adapter)
         if not prompt:
             raise ValueError("empty prompt")
         fanout = {self.by_name[n][0]: n for n in fanout_adapters or ()}  # KeyError for an unknown one
-        seq = Sequence(prompt, adapter, 0, None, params, session_id=session_id, fanout=fanout)
+        seq = Sequence(prompt, adapter, 0, None, params, session_id=session_id,
+                       session_end=session_end, session_tokens=session_tokens, fanout=fanout)
         seq.cache_salt = cache_salt  # what the engine folds into the cache key
         self.waiting.append(seq)
         self.added.append(seq)
@@ -192,10 +193,11 @@ def client(loop):
 def test_session_salt_and_fanout_reach_every_choice(client, loop):
     r = client.post("/v1/completions", json={"model": "a", "prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2,
                                              "session_id": "wf-1", "fanout_adapters": ["b"],
-                                             "cache_salt": "team-a"})
+                                             "cache_salt": "team-a", "session_end": True,
+                                             "session_tokens": 900})
     assert r.status_code == 200, r.text
-    assert [(s.session_id, s.fanout, s.cache_salt) for s in loop.engine.added] == \
-        [("wf-1", {1: "b"}, "team-a")] * 4
+    assert [(s.session_id, s.session_end, s.session_tokens, s.fanout, s.cache_salt)
+            for s in loop.engine.added] == [("wf-1", True, 900, {1: "b"}, "team-a")] * 4
 
 
 def test_bad_fanout_is_refused_before_anything_is_queued(client, loop):

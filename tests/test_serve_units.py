@@ -118,19 +118,21 @@ def test_cli_cache_flags_reach_the_engine(monkeypatch):
 
     monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
     for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo",
-                      "--deterministic", "--warmup", "full"], ["--warmup", "none"]):
+                      "--deterministic", "--warmup", "full", "--session-ttl", "5"], ["--warmup", "none"]):
         with pytest.raises(SystemExit, match="forkjax.serve: error: stop before loading"):
             main([*argv, "--compilation-cache-dir", ""])
-    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic", "warmup")
+    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic", "warmup",
+            "session_ttl_s")
     picked = [tuple(kw[k] for k in keys) for kw in calls]
-    assert picked == [(False, None, "lpm", False, "background"), (True, 0.25, "fifo", True, True),
-                      (False, None, "lpm", False, False)]
+    assert picked == [(False, None, "lpm", False, "background", 30.0),
+                      (True, 0.25, "fifo", True, True, 5.0), (False, None, "lpm", False, False, 30.0)]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--residual-fanout", "--cache-policy", "prefix"], "--residual-fanout needs --cache-policy forkkv"),
     (["--schedule-policy", "sjf"], "invalid choice: 'sjf'"),
     (["--residual-fraction", "half"], "invalid float value"),
+    (["--session-ttl", "-1"], "--session-ttl -1.0: expected finite seconds >= 0"),
 ])
 def test_cli_refuses_bad_cache_flags_before_loading(argv, message, capsys, monkeypatch):
     import forkjax

@@ -1,27 +1,33 @@
 """Cache-aware admission: which waiting request runs next, and whether its pages are there.
 
-`lpm` (the default; SGLang's longest-prefix-match policy, and more):
-
-* every waiting request holds the cached prefix it would reuse (`PrefixHold`), and a workflow
-  (`session_id`) whose request just ended holds what it left in the trees for a while, so
-  admitting others does not evict either, and a request's match is kept fresh as the trees change;
-* candidates go in order of the tokens they would reuse (full hits, then base hits, pages that a
-  running request in flight will insert for them included), then of arrival;
-* a request needs the pages it will allocate itself: its prompt and `min(max_new_tokens,
+* Whole workflows: a request of a session (sessions.py) that is not admitted yet goes in only if
+  the projected peak working sets of the admitted sessions plus its own fit in each pool; later
+  requests of an admitted session go in within its reservation, and its path stays held between
+  its turns. So the engine runs as many workflows as fit, each with its cache, instead of all of
+  them with caches that evict each other (ReAct's N agents take turns: by recency alone every
+  turn evicts the pages the next turn of another workflow needs). Requests without a session
+  pass no such gate.
+* Every waiting request holds the cached prefix it would reuse (`PrefixHold`; not the requests
+  of a session that waits at the gate), so admitting others does not evict it, and a request's
+  match is kept fresh as the trees change.
+* Order (`lpm`, the default; SGLang's longest-prefix-match policy): the tokens a request would
+  reuse (full hits, then base hits, pages that a running request in flight will insert for it
+  included), then arrival. `fifo` (a baseline to compare with): arrival order, and a request
+  that does not fit blocks the ones behind it. Nothing else differs.
+* A request needs the pages it will allocate itself: its prompt and `min(max_new_tokens,
   DECODE_CLIP)` generated tokens, less its hits and less the pages in flight for it. It is
   admitted when that fits in the room (free pages and unheld evictable ones) less what the
-  running requests still need by the same count;
-* under pressure the older workflow wins (a request's age is its session's, else its own): when
-  no candidate fits, the oldest one may take the pages held for younger workflows and requests,
-  which are evicted for it. So the engine runs fewer workflows at a time, each with its cache,
-  instead of all of them with caches that evict each other (ReAct's N agents take turns: by
-  recency alone every turn evicts the pages the next turn of another workflow needs);
-* starvation: a request that has waited `max_wait_s` becomes urgent. Urgent requests go first,
-  in arrival order, and one that does not fit stops admission until it does. So no request waits
-  longer than `max_wait_s` plus the time the requests running then take to finish.
-
-`fifo` (a baseline to compare with): arrival order, the head of the queue blocks the rest, a
-request needs its prompt's pages beyond its hits, nothing is held.
+  running requests still need by the same count.
+* When none fits (a projection proved wrong, or a request without a session), the oldest
+  blocked one (a request's age is its session's, else its own) may take held pages: first those
+  of idle sessions (no request live), longest idle first, then those of younger workflows and
+  waiting requests, youngest first. A session whose holds are taken is suspended whole (it is
+  recomputed when it comes back through the gate) rather than losing the tails of several.
+* Starvation: a request that has waited `max_wait_s` becomes urgent. Urgent requests go first,
+  in arrival order, past the workflow gate, and one that does not fit stops admission until it
+  does. So no request waits longer than `max_wait_s` plus the time the requests running then
+  take to finish; a workflow let in that way may push the reservations past the pools, which
+  only holds back further workflows until enough end.
 
 With nothing running, a candidate that fits in the whole pool is always admitted: holds never
 deadlock the engine.
@@ -35,7 +41,7 @@ from collections.abc import Callable
 from forkjax.cache import DualRadixCache
 from forkjax.engine.inflight import InflightPages
 from forkjax.engine.sequence import Sequence
-from forkjax.engine.sessions import Sessions
+from forkjax.engine.sessions import Session, Sessions
 
 # Generated tokens a request is assumed to need pages for (SGLang's CLIP_MAX_NEW_TOKENS): a
 # request asking for the whole context must not hold the pool up front.
@@ -47,18 +53,15 @@ def _pages(tokens: int, page_size: int) -> int:
 
 
 class Admission:
-    def __init__(self, cache: DualRadixCache, inflight: InflightPages, policy: str = "lpm",
-                 max_wait_s: float = 60.0):
+    def __init__(self, cache: DualRadixCache, inflight: InflightPages, sessions: Sessions,
+                 policy: str = "lpm", max_wait_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
         """policy: "lpm" | "fifo" (checked by EngineConfig). `inflight`: the scheduler's record
         of the pages running requests will insert (inflight.py), counted as hits."""
-        self.cache, self.inflight = cache, inflight
-        self.policy, self.max_wait_s = policy, max_wait_s
+        self.cache, self.inflight, self.sessions = cache, inflight, sessions
+        self.policy, self.max_wait_s, self.clock = policy, max_wait_s, clock
         self.S = cache.page_size
-        self._failed_take = None  # the admission state in which taking younger holds last failed
-
-    @property
-    def holds(self) -> bool:
-        return self.policy == "lpm"
+        self._failed_take = None  # the admission state in which taking held pages last failed
 
     def check_capacity(self, seq: Sequence, total: int) -> None:
         """ValueError unless a request of `total` tokens fits in the whole of each of its pools
@@ -77,8 +80,8 @@ class Admission:
 
     def target_len(self, seq: Sequence) -> int:
         """Tokens the request is sized for: prompt and generation, the generation clipped to
-        DECODE_CLIP tokens past what it has (`fifo`: the tokens it has)."""
-        if seq.score or self.policy == "fifo":
+        DECODE_CLIP tokens past what it has."""
+        if seq.score:
             return len(seq)
         return min(len(seq.prompt) + seq.params.max_new_tokens, len(seq) + DECODE_CLIP)
 
@@ -86,7 +89,8 @@ class Admission:
 
     def on_wait(self, seq: Sequence) -> None:
         """A request joined the queue (new, or preempted)."""
-        if self.holds:
+        s = self.sessions.of(seq)
+        if s is None or s.admitted:
             seq.hold = self.cache.hold(seq.tokens, seq.adapter_key, list(seq.fanout.values()))
 
     def on_leave(self, seq: Sequence) -> None:
@@ -104,22 +108,22 @@ class Admission:
 
     def order(self, waiting) -> list[Sequence]:
         """Waiting requests in the order admission tries them."""
-        if self.policy == "fifo":
-            return list(waiting)
         urgent, rest = [], []
         for seq in waiting:
             if self.is_urgent(seq):
                 urgent.append(seq)
-                continue
-            lens = self.hits(seq)
-            reuse = [max(n, (n // self.S + self.inflight.pages_for(seq, i, n // self.S)) * self.S)
-                     for i, n in enumerate(lens)]
-            rest.append((-min(reuse), -reuse[0], seq.arrival, seq.id, seq))
-        rest.sort(key=lambda t: t[:4])
+            elif self.policy == "fifo":
+                rest.append((seq.arrival, seq.id, seq))
+            else:
+                lens = self.hits(seq)
+                reuse = [max(n, (n // self.S + self.inflight.pages_for(seq, i, n // self.S)) * self.S)
+                         for i, n in enumerate(lens)]
+                rest.append((-min(reuse), -reuse[0], seq.arrival, seq.id, seq))
+        rest.sort(key=lambda t: t[:-1])
         return sorted(urgent, key=lambda s: (s.arrival, s.id)) + [t[-1] for t in rest]
 
     def is_urgent(self, seq: Sequence) -> bool:
-        return self.policy == "fifo" or time.monotonic() - seq.arrival >= self.max_wait_s
+        return self.clock() - seq.arrival >= self.max_wait_s
 
     def need(self, seq: Sequence) -> tuple[int, int]:
         """(base, residual) pages a waiting request would allocate itself."""
@@ -133,17 +137,22 @@ class Admission:
 
     # ---- admitting ------------------------------------------------------------------------
 
-    def admit(self, waiting, running: list[Sequence], max_batch_size: int, sessions: Sessions,
+    def admit(self, waiting, running: list[Sequence], max_batch_size: int,
               start: Callable[[Sequence], None]) -> None:
         """Start the waiting requests that fit, in `order`'s order, while the batch has room;
         `start(seq)` moves a request from `waiting` (the scheduler's queue) to `running` (its
-        list). When none fits, the oldest blocked one may take younger workflows' holds."""
+        list). When none fits, the oldest blocked one may take held pages."""
         if not waiting or len(running) >= max_batch_size:
             return
         room, blocked = None, []
         for seq in self.order(waiting):
             if len(running) >= max_batch_size:
                 return
+            session = self.sessions.of(seq)
+            if session is not None and not session.admitted:
+                if not (self.is_urgent(seq) or self.sessions.fits(session)):
+                    continue  # its workflow waits until the admitted ones leave room
+                session.admitted = True
             need = self.need(seq)
             if running:
                 if room is None:
@@ -157,14 +166,14 @@ class Admission:
                     room = (room[0] - need[0], room[1] - need[1])
                 continue
             blocked.append((seq, need))
-            if self.is_urgent(seq):
-                break  # it goes first: nobody overtakes it while it waits for room
-        if blocked and running and self.holds:
+            if self.is_urgent(seq) or self.policy == "fifo":
+                break  # nobody overtakes it while it waits for room
+        if blocked and running:
             seq, need = min(blocked, key=lambda t: (t[0].priority, t[0].id))
             state = (seq.id, need, self.cache.versions, len(running),
                      self.cache.base_tree.allocator.num_free)
             if state != self._failed_take:  # nothing changed since it last failed: skip
-                if self._take_younger_holds(seq, need, running, waiting, sessions):
+                if self._take_held(seq, need, running, waiting):
                     start(seq)
                 else:
                     self._failed_take = state
@@ -188,22 +197,45 @@ class Admission:
             r -= sum(self.inflight.pages_for(seq, i, first) for i in range(1, len(seq.key_ns)))
         return max(b, 0), max(r, 0)
 
-    def _take_younger_holds(self, seq: Sequence, need: tuple[int, int], running, waiting,
-                            sessions: Sessions) -> bool:
-        """Release the holds of workflows and requests younger than `seq`, youngest first,
-        until its need fits, and evict what it needs now (else the holds would come back);
-        True if it fits. If it cannot fit, the holds are taken again."""
-        younger = sessions.holds_younger_than(seq.priority)
-        younger += [(w.priority, w.hold) for w in waiting
-                    if w is not seq and w.hold is not None and w.priority > seq.priority]
-        younger.sort(key=lambda t: -t[0])
-        for _, hold in younger:
-            hold.release()
+    def _take_held(self, seq: Sequence, need: tuple[int, int], running, waiting) -> bool:
+        """Release held pages until `seq`'s need fits: idle sessions' (longest idle first), then
+        younger workflows' (their holds and their waiting requests') and younger waiting
+        requests', youngest first; evict what it needs now (else the holds would come back) and
+        suspend the sessions taken from. True if it fits; if it cannot fit, every hold is taken
+        again."""
+        idle = [s for s in self.sessions.idle() if s.holds]
+        younger: dict = {s: list(s.holds.values()) for s in self.sessions.by_id.values()
+                         if s.start > seq.priority and s not in idle}
+        for w in waiting:
+            if w is not seq and w.hold is not None and w.priority > seq.priority:
+                younger.setdefault(self.sessions.of(w) or w, []).append(w.hold)
+        victims = [(s, list(s.holds.values())) for s in idle]
+        victims += sorted(younger.items(), key=lambda t: -_age(t[0]))
+        for i, (_, holds) in enumerate(victims):
+            for hold in holds:
+                hold.release()
             room = self.room(running)
             if need[0] <= room[0] and need[1] <= room[1]:
                 out = self._outstanding_total(running)
                 self.cache.evict_unheld((need[0] + out[0], need[1] + out[1]))
+                for v, _ in victims[:i + 1]:
+                    if isinstance(v, Session):
+                        self.suspend(v, waiting)
                 return True
-        for _, hold in younger:
-            hold.refresh()
+        for _, holds in victims:
+            for hold in holds:
+                hold.refresh()
         return False
+
+    def suspend(self, session: Session, waiting) -> None:
+        """Take a session's pages: its holds and its waiting requests' holds drop, and its next
+        request goes through the workflow gate again."""
+        self.sessions.suspend(session)
+        for w in waiting:
+            if self.sessions.of(w) is session:
+                self.on_leave(w)
+
+
+def _age(victim) -> float:
+    """A victim's age: its session's start, or a sessionless request's arrival."""
+    return victim.start if isinstance(victim, Session) else victim.priority

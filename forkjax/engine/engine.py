@@ -47,7 +47,8 @@ class Engine(EngineCore):
         chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
         is preempted (its generated tokens' K/V are then recomputed by an extend step).
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, progress, overlap,
-        max_wait_s, `warmup`: True compiles every shape before returning, "background" on other
+        max_wait_s, `session_ttl_s`: seconds an idle session keeps its pages, about your longest
+        tool call (sessions.py), `warmup`: True compiles every shape before returning, "background" on other
         threads while serving, False when a step first needs it; `compile_workers`: threads of
         the warm-up's compiles) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
@@ -102,8 +103,12 @@ class Engine(EngineCore):
 
     def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
                  seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False,
-                 session_id: str | None = None, fanout_adapters=None,
+                 session_id: str | None = None, session_end: bool = False,
+                 session_tokens: int | None = None, fanout_adapters=None,
                  cache_salt: str | None = None) -> list[list[int]]:
+        """Generate for every prompt at once and return each one's new tokens. The session
+        keywords apply to every prompt (`session_end`: the session ends when the last of
+        them finishes); add_request says what they do."""
         if adapters is None or isinstance(adapters, str):
             adapters = [adapters] * len(prompts)
         if len(adapters) != len(prompts):
@@ -116,6 +121,7 @@ class Engine(EngineCore):
         try:
             for prompt, adapter, p in zip(prompts, adapters, params):
                 seq = self.add_request(prompt, adapter, p, session_id=session_id,
+                                       session_end=session_end, session_tokens=session_tokens,
                                        fanout_adapters=fanout_adapters, cache_salt=cache_salt)
                 if p.max_new_tokens == 0:
                     self.scheduler.finish(seq, "length")

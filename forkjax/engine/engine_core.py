@@ -25,8 +25,9 @@ from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.model_runner import Fetched, Launched, ModelRunner
 from forkjax.engine.output_processor import mark_launched, process_outputs
-from forkjax.engine.requests import check_salt, fanout_targets, prompt_ids
+from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
+from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.sequence import SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slots import AdapterSlots, slot_rank
@@ -42,7 +43,7 @@ class EngineCore:
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
                  use_pallas: bool | None = None, warmup: bool | str = True, progress: bool = True,
                  overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
-                 compile_workers: int | None = None):
+                 session_ttl_s: float = SESSION_TTL_S, compile_workers: int | None = None):
         self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -61,7 +62,9 @@ class EngineCore:
                           fixed=cfg.deterministic)
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
-                                   schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s)
+                                   schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s,
+                                   session_ttl_s=_check_ttl(session_ttl_s),
+                                   num_agents=lambda: max(1, len(self.slots.by_name)))
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
                                   fanout=cfg.residual_fanout or _fixed_fanout(cfg))
@@ -80,12 +83,16 @@ class EngineCore:
 
     def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
                     score: bool = False, *, session_id: str | None = None,
+                    session_end: bool = False, session_tokens: int | None = None,
                     fanout_adapters=None, cache_salt: str | None = None,
                     score_from: int = 0) -> Sequence:
         """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
 
-        `session_id`: requests of one workflow; its pages are evicted after others' for a
-        while after each of its requests ends, so the next turn finds them. `fanout_adapters`
+        `session_id`: requests of one workflow: the engine admits whole workflows as their
+        projected peak working sets fit, and keeps a workflow's pages between its turns
+        (sessions.py), until a request with `session_end=True` (its last) finishes or the
+        session has been idle for `session_ttl_s`. `session_tokens`: the tokens the workflow
+        expects to hold at its end (its final length), a hint for that projection. `fanout_adapters`
         (`forkkv`): the agents whose residuals this request writes too; None follows the
         engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
         request shares cached pages (base and residual) only with requests of the same salt
@@ -94,15 +101,14 @@ class EngineCore:
         slot = self.slots.slot_of(adapter)
         salt = check_salt(cache_salt)
         key = salted(self.slots.key_of(adapter), salt)
-        if session_id is not None and not isinstance(session_id, str):
-            raise ValueError(f"session_id={session_id!r}: expected a string")
+        check_session(session_id, session_end, session_tokens)
         fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
         params = params or SamplingParams()
         if not params.ignore_eos:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
         seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
-                       fanout=fanout, prefill_whole_prompt=self.config.deterministic,
+                       session_end=session_end, session_tokens=session_tokens, fanout=fanout, prefill_whole_prompt=self.config.deterministic,
                        score_from=score_from)
         self.scheduler.add(seq)
         return seq
@@ -193,6 +199,12 @@ def _fixed_fanout(cfg: EngineConfig) -> bool:
     """Deterministic `forkkv` runs only the programs with fan-out inputs: which program a step
     ran would otherwise depend on whether another request in it fans out."""
     return cfg.deterministic and cfg.cache_policy == "forkkv"
+
+
+def _check_ttl(ttl_s) -> float:
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 <= ttl_s < float("inf"):
+        raise ValueError(f"session_ttl_s={ttl_s!r}: expected finite seconds >= 0")
+    return float(ttl_s)
 
 
 def _default_kv_bytes(on_gpu: bool) -> int:

@@ -1,5 +1,5 @@
-"""Validation of what a request brings: its prompt, its cache salt and its fan-out group
-(ValueError or KeyError, naming what is wrong, before anything is queued)."""
+"""Validation of what a request brings: its prompt, its cache salt, its session fields and its
+fan-out group (ValueError or KeyError, naming what is wrong, before anything is queued)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,18 @@ def check_salt(cache_salt) -> str | None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt={cache_salt!r}: expected a non-empty string")
     return cache_salt
+
+
+def check_session(session_id, session_end, session_tokens) -> None:
+    if session_id is not None and not isinstance(session_id, str):
+        raise ValueError(f"session_id={session_id!r}: expected a string")
+    if not isinstance(session_end, bool):
+        raise ValueError(f"session_end={session_end!r}: expected a bool")
+    if session_tokens is not None and (isinstance(session_tokens, bool) or not isinstance(
+            session_tokens, int) or session_tokens < 1):
+        raise ValueError(f"session_tokens={session_tokens!r}: expected an int >= 1")
+    if session_id is None and (session_end or session_tokens is not None):
+        raise ValueError("session_end and session_tokens need a session_id")
 
 
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names,

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,20 +54,28 @@ class PreemptionNeeded(RuntimeError):
 class Scheduler:
     def __init__(self, cache: DualRadixCache, buckets: Buckets, *, max_batch_size: int,
                  max_prefill_tokens: int, max_model_len: int, schedule_policy: str = "lpm",
-                 max_wait_s: float = 60.0, session_ttl_s: float = SESSION_TTL_S):
+                 max_wait_s: float = 60.0, session_ttl_s: float = SESSION_TTL_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 num_agents: Callable[[], int] | None = None):
+        """`clock`: seconds for arrivals, waits and session idle times (a replay passes a
+        virtual one); `num_agents()`: adapters loaded (sessions.py projects with it)."""
         self.cache = cache
+        self.clock = clock
         self.buckets = buckets
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.inflight = InflightPages(cache.page_size)
-        self.admission = Admission(cache, self.inflight, schedule_policy, max_wait_s)
-        self.sessions = Sessions(cache, hold=self.admission.holds, ttl_s=session_ttl_s)
+        self.sessions = Sessions(cache, hold=True, ttl_s=session_ttl_s, clock=clock,
+                                 max_tokens=max_model_len, num_agents=num_agents)
+        self.admission = Admission(cache, self.inflight, self.sessions, schedule_policy,
+                                   max_wait_s, clock)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"
         self.num_preemptions = 0
         self.prefill_tokens_computed = 0
+        self.workflows_running_peak = 0  # most sessions with a request running at once
 
     def add(self, seq: Sequence):
         """Queue a request, or raise ValueError at once if it can never be served."""
@@ -75,9 +84,10 @@ class Scheduler:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens + max_new_tokens "
                              f"{seq.params.max_new_tokens} exceeds the context of {self.max_model_len}")
         self.admission.check_capacity(seq, total)
-        if seq.session_id is not None:
-            seq.priority = self.sessions.added(seq.session_id, seq.adapter_key, seq.arrival)
+        seq.arrival = seq.priority = self.clock()
         seq.key_ns = pool_namespaces(self.cache.policy, seq)
+        if seq.session_id is not None:
+            seq.priority = self.sessions.added(seq).start
         self._wait(seq)
 
     @property
@@ -88,8 +98,9 @@ class Scheduler:
         """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
         self.sessions.expire()
-        self.admission.admit(self.waiting, self.running, self.max_batch_size, self.sessions,
-                             self._start)
+        self.admission.admit(self.waiting, self.running, self.max_batch_size, self._start)
+        workflows = len({s.session_id for s in self.running if s.session_id is not None})
+        self.workflows_running_peak = max(self.workflows_running_peak, workflows)
         prefilling = [s for s in self.running if s.in_prefill]
         decoding = [s for s in self.running if not s.in_prefill and not self._last_in_flight(s)]
         batch = None
@@ -124,7 +135,7 @@ class Scheduler:
         h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted,
                              fanout=seq.fanout)
         if not seq.admitted:
-            seq.first_admitted = time.monotonic()
+            seq.first_admitted = self.clock()
         seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
         seq.num_computed = min(h.cached_len, seq.score_from if seq.score else len(seq) - 1)
         seq.pending_copies = ([], [])
@@ -234,9 +245,12 @@ class Scheduler:
 
     def _preempt_one(self, protect: Sequence):
         """Free the running request of the youngest workflow (admission.py: the older workflow
-        wins), `protect` itself as a last resort."""
+        wins), `protect` itself as a last resort; that workflow is suspended whole."""
         others = [s for s in self.running if s is not protect]
         victim = max(others, key=lambda s: (s.priority, s.id)) if others else protect
+        session = self.sessions.of(victim)
+        if session is not None and session is not self.sessions.of(protect):
+            self.admission.suspend(session, self.waiting)
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.num_computed, victim.num_verified = Status.WAITING, 0, 0
@@ -271,13 +285,12 @@ class Scheduler:
                 seq.cache.commit(tokens)
             self._release(seq)
             if seq.session_id is not None:
-                self.sessions.ended(seq.session_id, seq.adapter_key, tokens if error is None else None,
-                                    list(seq.fanout.values()))
+                self.sessions.ended(seq, tokens if error is None else None)
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.admission.on_leave(seq)
             if seq.session_id is not None:
-                self.sessions.ended(seq.session_id, seq.adapter_key)
+                self.sessions.ended(seq)
         seq.finish(reason, error)
 
 

@@ -53,6 +53,7 @@ class SamplingParams:
 class Sequence:
     def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
                  params: SamplingParams, score: bool = False, *, session_id: str | None = None,
+                 session_end: bool = False, session_tokens: int | None = None,
                  fanout: dict[int, object] | None = None, prefill_whole_prompt: bool = False,
                  score_from: int = 0):
         self.id = next(_ids)
@@ -65,8 +66,10 @@ class Sequence:
         # step, even when the cache holds all but it (by default a decode step computes it then).
         self.prefill_whole_prompt = prefill_whole_prompt
         self.session_id = session_id  # a workflow's requests share one: its pages outlive a tool call
+        self.session_end = session_end  # its workflow's last: the session's holds drop when it ends
+        self.session_tokens = session_tokens  # the workflow's expected final length (sessions.py)
         self.fanout = fanout or {}  # {adapter slot: adapter key} whose residuals this one writes
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic()  # the scheduler's clock sets it when queued
         self.priority = self.arrival  # its workflow's age under pressure (admission.py)
         self.hold = None  # PrefixHold while waiting (cache-aware admission)
         self.page_hashes: list[int] = []  # chain hashes of whole pages of `tokens` (inflight.py)

@@ -1,83 +1,220 @@
-"""Workflow sessions: what the requests of one `session_id` left in the trees stays held.
+"""Workflow sessions: what the requests of one `session_id` left in the trees stays held, and how
+much of the pools a whole workflow is expected to need.
 
 A session is one workflow's requests: ReAct agents taking turns, a MapReduce's mappers and its
 reducer. When one of its requests ends, the session holds the path that request left in the
 trees, one path per adapter (under `prefix` each agent has its own copy of the history, under
-`forkkv` its own residual beside the shared base): the workflow's working set, until the session
-has had no request for `ttl_s` seconds (KVFlow's idea: a workflow's prefix survives its tool
-call). A session's age, its first request's arrival, decides under pressure which workflow keeps
-its pages (admission.py).
+`forkkv` its own residual beside the shared base): the workflow's working set, between its turns
+(KVFlow's idea: a workflow's prefix survives its tool call). A session ends when a request that
+says `session_end` finishes (its holds drop at once), or when it has had no request for `ttl_s`
+seconds, about the longest tool call a client makes.
+
+Whole-workflow admission (admission.py) admits a session's first request only if the projected
+peak working sets of the admitted sessions plus its own fit in each pool; later requests of an
+admitted session go in within its reservation. A session's projection per pool is its expected
+final length in pages (`session_tokens` when the client gives it, else the mean final length of
+the sessions that ended, else the longest request the engine takes) times the paths it keeps in
+that pool (the namespaces it touched, at least the mean of ended sessions, else one per loaded
+adapter where the pool keeps one per adapter), and never less than what it already uses. A
+session whose pages are taken after all (admission.py, scheduler.py) is suspended: its holds
+drop, its reservation is given back, and its next request is admitted like a first one.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from forkjax.cache import DualRadixCache, PrefixHold
 
-# Seconds a session keeps its pages held after its last request ended: long enough for a tool
-# call.
+# Seconds a session keeps its pages held after its last request ended, unless a request ended it
+# (`session_end`): long enough for a tool call.
 SESSION_TTL_S = 30.0
+# Ended sessions whose final length and paths per pool project the next ones.
+HISTORY = 64
+POOLS = ("base", "res")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one object per session: identity is equality
 class Session:
-    start: float  # arrival of its first request
+    start: float  # arrival of its first request: its age under pressure
+    tokens_hint: int | None = None  # `session_tokens`: the final length the client expects
     holds: dict = dataclasses.field(default_factory=dict)  # adapter key -> PrefixHold
     live: int = 0  # its requests queued or running
-    expiry: float = float("inf")  # when it is forgotten (no request live)
+    idle_since: float | None = None  # when its last live request ended; None while one is live
+    ending: bool = False  # a request said session_end: it ends when none is live
+    admitted: bool = False  # holds a reservation (admission.py)
+    tokens: int = 0  # longest request so far: prompt + max_new_tokens
+    # (pool, namespace) -> the longest request's tokens there: the paths it keeps
+    paths: dict = dataclasses.field(default_factory=dict)
+
+    def pages(self, page_size: int) -> tuple[int, int]:
+        """(base, residual) pages of its paths at their longest."""
+        out = dict.fromkeys(POOLS, 0)
+        for (pool, _), tokens in self.paths.items():
+            out[pool] += -(-tokens // page_size)
+        return out["base"], out["res"]
 
 
 class Sessions:
-    def __init__(self, cache: DualRadixCache, *, hold: bool, ttl_s: float = SESSION_TTL_S):
-        self.cache, self.hold, self.ttl_s = cache, hold, ttl_s
+    def __init__(self, cache: DualRadixCache, *, hold: bool, ttl_s: float = SESSION_TTL_S,
+                 clock: Callable[[], float] = time.monotonic, max_tokens: int = 0,
+                 num_agents: Callable[[], int] | None = None):
+        """`max_tokens`: the longest request the engine takes, the final length projected when
+        nothing else is known; `num_agents()`: adapters loaded, the paths projected in a pool
+        that keeps one per adapter before any session has ended."""
+        self.cache, self.hold, self.ttl_s, self.clock = cache, hold, ttl_s, clock
+        self.max_tokens = max_tokens
+        self.num_agents = num_agents or (lambda: 1)
         self.by_id: dict[str, Session] = {}
+        # ended sessions: (final tokens, paths in the base pool, paths in the residual pool)
+        self.history: collections.deque = collections.deque(maxlen=HISTORY)
+        self._learned: tuple[float, list[float]] | None = None  # their means
+        # Seconds between a session's request ending and its next one (tool calls): an idle
+        # session that has waited longer than any of the last ones probably ended unsaid.
+        self.gaps: collections.deque = collections.deque(maxlen=HISTORY)
+        self.longest_gap = 0.0
+        self.num_suspended = 0
+        self.capacity = (cache.base_tree.allocator.num_usable,
+                         cache.res_tree.allocator.num_usable if cache.res_tree else 0)
 
-    def added(self, sid: str, adapter_key: Hashable, arrival: float) -> float:
-        """A request of session `sid` was queued; returns the session's age (its priority)."""
-        s = self.by_id.setdefault(sid, Session(arrival))
+    # ---- a session's requests -------------------------------------------------------------
+
+    def added(self, seq) -> Session:
+        """A request of session `seq.session_id` was queued; returns its session."""
+        s = self.by_id.get(seq.session_id)
+        if s is None:
+            s = self.by_id[seq.session_id] = Session(seq.arrival)
+        if seq.session_tokens is not None:
+            s.tokens_hint = max(s.tokens_hint or 0, seq.session_tokens)
         s.live += 1
-        s.expiry = float("inf")
-        old = s.holds.pop(adapter_key, None)
+        if s.idle_since is not None:
+            self.gaps.append(self.clock() - s.idle_since)
+            self.longest_gap = max(self.gaps)
+        s.idle_since = None
+        target = len(seq.prompt) + seq.params.max_new_tokens
+        s.tokens = max(s.tokens, target)
+        for pool, ns in seq.key_ns:
+            s.paths[(pool, ns)] = max(s.paths.get((pool, ns), 0), target)
+        old = s.holds.pop(seq.adapter_key, None)
         if old is not None:
             old.release()  # the new request holds what it reuses of that agent's path
-        return s.start
+        return s
 
-    def ended(self, sid: str, adapter_key: Hashable, tokens=None, fanout_keys=()) -> None:
-        """A request of session `sid` ended, leaving `tokens` in the trees (None: nothing)."""
-        s = self.by_id.get(sid)
+    def ended(self, seq, tokens=None) -> None:
+        """A request of `seq`'s session ended, leaving `tokens` in the trees (None: nothing)."""
+        s = self.by_id.get(seq.session_id)
         if s is None:
             return
         s.live -= 1
-        if tokens is not None and self.hold:
-            old = s.holds.pop(adapter_key, None)
+        s.ending |= seq.session_end
+        if tokens is not None and self.hold and s.admitted and not s.ending:
+            old = s.holds.pop(seq.adapter_key, None)
             if old is not None:
                 old.release()
-            s.holds[adapter_key] = PrefixHold(self.cache, tokens, adapter_key, fanout_keys)
+            s.holds[seq.adapter_key] = PrefixHold(self.cache, tokens, seq.adapter_key,
+                                                  list(seq.fanout.values()))
         if s.live == 0:
-            s.expiry = time.monotonic() + self.ttl_s
+            if s.ending:
+                self._end(seq.session_id)
+            else:
+                s.idle_since = self.clock()
+
+    def of(self, seq) -> Session | None:
+        return None if seq.session_id is None else self.by_id.get(seq.session_id)
 
     def expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for sid, s in list(self.by_id.items()):
-            if s.expiry <= now:
-                self._drop(s)
-                del self.by_id[sid]
+            if s.idle_since is not None and s.idle_since + self.ttl_s <= now:
+                self._end(sid)
 
-    def holds_younger_than(self, start: float) -> list[tuple[float, PrefixHold]]:
-        return [(s.start, h) for s in self.by_id.values() if s.start > start for h in s.holds.values()]
+    def _end(self, sid: str) -> None:
+        s = self.by_id.pop(sid)
+        self.drop(s)
+        if s.tokens:
+            S = self.cache.page_size
+            per_path = -(-s.tokens // S)
+            self.history.append((s.tokens, *(p / per_path for p in s.pages(S))))
+            n = len(self.history)
+            self._learned = (sum(h[0] for h in self.history) / n,
+                             [sum(h[i] for h in self.history) / n for i in (1, 2)])
+
+    # ---- reservations ---------------------------------------------------------------------
+
+    def projection(self, s: Session) -> tuple[float, float]:
+        """(base, residual) pages session `s` is expected to hold at its end."""
+        S = self.cache.page_size
+        seen = [len({ns for pool, ns in s.paths if pool == p}) for p in POOLS]
+        if self._learned is not None:
+            tokens, paths = self._learned
+        else:
+            tokens = self.max_tokens
+            paths = [self._default_paths(p) for p in POOLS]
+        tokens = max(s.tokens_hint or tokens, s.tokens)
+        used = s.pages(S)
+        return tuple(max(max(k, n) * -(-tokens // S), u) for k, n, u in zip(paths, seen, used))
+
+    def _default_paths(self, pool: str) -> int:
+        policy = self.cache.policy
+        if pool == "res":
+            return 0 if policy.residual is None else (
+                self.num_agents() if policy.residual == "per_adapter" else 1)
+        return self.num_agents() if policy.base_per_adapter else 1
+
+    def fits(self, s: Session) -> bool:
+        """Whether session `s`'s projection fits in each pool beside the admitted sessions'.
+        To fit, it may take the reservations of sessions idle for longer than the longest
+        recent wait between two requests of one session (longest idle first), which are then
+        suspended."""
+        admitted = [x for x in self.by_id.values() if x.admitted and x is not s]
+        if not admitted:
+            return True  # alone, it runs however large: nothing else is reserved
+        want = self.projection(s)
+        reserved = [list(self.projection(x)) for x in admitted]
+        total = [sum(r[i] for r in reserved) for i in range(len(POOLS))]
+
+        def over() -> bool:
+            return any(want[i] and total[i] + want[i] > cap for i, cap in enumerate(self.capacity))
+
+        if not over():
+            return True
+        now, takeable = self.clock(), []
+        for x in self.idle():
+            if x.admitted and now - x.idle_since > self.longest_gap:
+                takeable.append(x)
+                for i, r in enumerate(self.projection(x)):
+                    total[i] -= r
+                if not over() or len(takeable) == len(admitted):
+                    for x in takeable:
+                        self.suspend(x)
+                    return True
+        return False
+
+    def suspend(self, s: Session) -> None:
+        """Take session `s`'s pages: its holds drop and its next request is admitted anew."""
+        self.drop(s)
+        s.admitted = False
+        self.num_suspended += 1
+
+    # ---- holds ----------------------------------------------------------------------------
+
+    def idle(self) -> list[Session]:
+        """Sessions with no request live, longest idle first."""
+        return sorted((s for s in self.by_id.values() if s.idle_since is not None),
+                      key=lambda s: s.idle_since)
 
     def release_all(self) -> None:
         """Drop every hold (the cache is being flushed); sessions with requests live stay."""
         for sid, s in list(self.by_id.items()):
-            self._drop(s)
+            self.drop(s)
             if s.live == 0:
                 del self.by_id[sid]
 
     @staticmethod
-    def _drop(s: Session) -> None:
+    def drop(s: Session) -> None:
         for hold in s.holds.values():
             hold.release()
         s.holds.clear()

@@ -42,6 +42,9 @@ class EngineStats:
         s["running"] = len(scheduler.running)
         s["waiting"] = len(scheduler.waiting)
         s["preemptions"] = scheduler.num_preemptions
+        s["workflows_running_peak"] = scheduler.workflows_running_peak
+        s["workflows_suspended"] = scheduler.sessions.num_suspended
+        s["sessions_open"] = len(scheduler.sessions.by_id)
         return s
 
     def reset(self, cache, scheduler) -> None:
@@ -49,3 +52,4 @@ class EngineStats:
         cache.reset_stats()
         self.decode_steps = self.decode_seqs = 0
         scheduler.prefill_tokens_computed = scheduler.num_preemptions = 0
+        scheduler.workflows_running_peak = scheduler.sessions.num_suspended = 0

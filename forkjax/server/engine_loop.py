@@ -47,6 +47,8 @@ class RequestHandle:
     params: SamplingParams
     sink: Callable[[Output], None]
     session_id: str | None = None
+    session_end: bool = False
+    session_tokens: int | None = None
     cache_salt: str | None = None
     fanout_adapters: list[str] | None = None  # None: the engine's residual_fanout setting
     seq: Sequence | None = None
@@ -159,6 +161,8 @@ class EngineLoop:
         try:
             for h in handles:
                 h.seq = self.engine.add_request(h.prompt, h.adapter, h.params, session_id=h.session_id,
+                                                session_end=h.session_end,
+                                                session_tokens=h.session_tokens,
                                                 fanout_adapters=h.fanout_adapters,
                                                 cache_salt=h.cache_salt)
                 done.append(h)

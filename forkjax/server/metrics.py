@@ -66,6 +66,15 @@ def render(s: dict, model_name: str) -> str:
            [("", s["decode_batch_size_mean"])])
     metric("num_preemptions_total", "counter", "Requests preempted to free KV pages.",
            [("", s["preemptions"])])
+    metric("workflows_running_peak", "gauge",
+           "Most sessions with a request in the running batch at once.",
+           [("", s["workflows_running_peak"])])
+    metric("sessions_open", "gauge",
+           "Sessions (session_id) not ended: live, or idle for less than --session-ttl.",
+           [("", s["sessions_open"])])
+    metric("workflows_suspended_total", "counter",
+           "Sessions whose pages were taken (recomputed when they come back).",
+           [("", s["workflows_suspended"])])
     metric("request_success_total", "counter", "Finished requests, by finish reason.",
            [(f'finished_reason="{r}"', s["finished"].get(r, 0)) for r in REASONS])
     metric("lora_adapters_loaded", "gauge", "LoRA adapters being served.", [("", s["adapters"])])

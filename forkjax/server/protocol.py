@@ -64,8 +64,16 @@ class _Sampling(OpenAIRequest):
     logit_bias: dict[str, float] | None = None
     session_id: str | None = Field(
         None, min_length=1, max_length=MAX_ID_CHARS,
-        description="forkjax: the requests of one workflow share it; after each ends, its KV pages are "
-                    "evicted after others' for a while (lpm scheduling), so the next turn finds them")
+        description="forkjax: the requests of one workflow share it: the server admits whole "
+                    "workflows as they fit and keeps a workflow's KV pages between its turns, until "
+                    "a request with session_end finishes or it has been idle for --session-ttl")
+    session_end: bool = Field(
+        False, description="forkjax: this request is its workflow's last: the session's pages are "
+                           "released as soon as it finishes (needs session_id)")
+    session_tokens: int | None = Field(
+        None, ge=1, le=2**31 - 1,
+        description="forkjax: the tokens the workflow expects to hold at its end (its final length), "
+                    "a hint for admitting whole workflows (needs session_id)")
     cache_salt: str | None = Field(
         None, min_length=1, max_length=MAX_ID_CHARS,
         description="requests share cached KV pages (base and residual) only with requests of the "

@@ -1,0 +1,163 @@
+"""Workflow sessions: whole-workflow admission, `session_end`, idle sessions' holds, the
+starvation bound, and suspension when a projection proves wrong."""
+
+import numpy as np
+import pytest
+
+import forkjax
+from conftest import SMALL
+from forkjax.config import ModelConfig
+from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+
+TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTERS = {f"a{i}": random_adapter(f"a{i}", TINY, 8, 1.0, ATTN, seed=i) for i in range(3)}
+PAGE_BYTES = 32768  # one base page of tiny-llama, float32
+
+
+def _prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+
+
+def _engine(policy="prefix", adapters=ADAPTERS, **kw):
+    return forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, dtype="float32",
+                                          cache_policy=policy, **dict(SMALL, max_model_len=1024, **kw))
+
+
+def _workflows(engine, names, turns=3, n=4, ctx=160, gen=8, obs=8, hint=None, sessions=True):
+    """Closed-loop multi-turn workflows, all started at once: turn t of workflow w appends its
+    output and an observation to the workflow's history and goes to agent names[t % len];
+    the last turn says session_end. -> (histories, distinct tokens)."""
+    hist = [_prompt(100 + w, ctx) for w in range(n)]
+    params = SamplingParams(max_new_tokens=gen, ignore_eos=True)
+    done = [0] * n
+
+    def submit(w):
+        kw = dict(session_id=f"w{w}", session_end=done[w] == turns - 1,
+                  session_tokens=hint) if sessions else {}
+        return engine.add_request(hist[w], names[done[w] % len(names)], params, **kw)
+
+    live = {w: submit(w) for w in range(n)}
+    while live:
+        engine.step()
+        for w, seq in list(live.items()):
+            if seq.status is Status.FINISHED:
+                assert seq.error is None
+                done[w] += 1
+                hist[w] = hist[w] + seq.output
+                del live[w]
+                if done[w] < turns:
+                    hist[w] = hist[w] + _prompt(200 + 10 * w + done[w], obs)
+                    live[w] = submit(w)
+    engine.cache.check()
+    return hist, sum(len(h) - gen for h in hist)
+
+
+@pytest.mark.parametrize("schedule_policy", ["lpm", "fifo"])
+def test_whole_workflows_compute_each_token_about_once(schedule_policy):
+    # 4 workflows of ~200 tokens (13 pages) each under a pool of 28 base pages: about half fit.
+    # (No request waits long enough to become urgent, however slow the machine.)
+    engine = _engine(kv_cache_bytes=28 * PAGE_BYTES, max_wait_s=1e9,
+                     schedule_policy=schedule_policy)
+    _, distinct = _workflows(engine, ["a0"])
+    s = engine.stats()
+    assert s["prefill_tokens_computed"] <= 1.1 * distinct, (s["prefill_tokens_computed"], distinct)
+    assert s["preemptions"] == 0 and s["workflows_suspended"] == 0
+    assert s["workflows_running_peak"] == 2
+
+
+def test_sessions_keep_three_agents_histories_where_sessionless_requests_recompute():
+    """Three agents take turns under `prefix` (each keeps its own copy of the history): the pool
+    holds about two of four workflows. Without sessions each turn evicts what another
+    workflow's next turn needs; with them the admitted workflows keep their caches and the
+    others start as they end."""
+    kw = dict(kv_cache_bytes=80 * PAGE_BYTES, max_wait_s=1e9)
+    runs = {}
+    for sessions in (True, False):
+        engine = _engine(**kw)
+        _workflows(engine, ["a0", "a1", "a2"], turns=6, sessions=sessions)
+        runs[sessions] = engine.stats()
+    assert runs[False]["base_hit_rate"] == 0 and runs[True]["base_hit_rate"] > 0.4
+    assert runs[True]["prefill_tokens_computed"] < 0.6 * runs[False]["prefill_tokens_computed"]
+
+
+def test_session_end_drops_the_holds_when_the_request_finishes():
+    engine = _engine()
+    tree = engine.cache.base_tree
+    engine.generate([_prompt(1, 100)], adapters="a0", max_new_tokens=2, session_id="s")
+    assert "s" in engine.scheduler.sessions.by_id
+    assert tree.evictable_size(held=False) < tree.evictable_size()  # held between turns
+    engine.generate([_prompt(1, 100) + [5, 6]], adapters="a1", max_new_tokens=2,
+                    session_id="s", session_end=True)
+    assert engine.scheduler.sessions.by_id == {}
+    assert tree.evictable_size(held=False) == tree.evictable_size() > 0  # cached, not held
+
+
+def test_an_idle_sessions_holds_are_taken_before_a_live_workflows():
+    engine = _engine(kv_cache_bytes=40 * PAGE_BYTES)
+    old, young = _prompt(7, 200), _prompt(8, 200)
+    engine.generate([old], adapters="a0", max_new_tokens=2, session_id="old")
+    engine.generate([young], adapters="a0", max_new_tokens=2, session_id="young")
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    nxt = engine.add_request(young + [9, 9], "a0", params, session_id="young")  # live again
+    big = engine.add_request(_prompt(9, 300), "a0", params)  # needs the pages of one of them
+    while engine.scheduler.has_work:
+        engine.step()
+    assert nxt.error is None and big.error is None
+    key = engine.slots.key_of("a0")
+    assert engine.cache.match_lengths(young, key)[0] == 192  # the live workflow kept its pages
+    assert engine.cache.match_lengths(old, key)[0] < 192  # the idle (older) one gave way
+    assert engine.stats()["workflows_suspended"] == 1
+
+
+@pytest.mark.parametrize("max_wait_s,admitted_while_a_runs", [(1e9, False), (0.0, True)])
+def test_a_workflow_waits_at_the_gate_at_most_max_wait_s(max_wait_s, admitted_while_a_runs):
+    """Workflow b's projection (its hint) does not fit beside a's: b waits while a runs, unless
+    it has waited max_wait_s."""
+    engine = _engine(kv_cache_bytes=40 * PAGE_BYTES, max_wait_s=max_wait_s)
+    long = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    a = engine.add_request(_prompt(1, 100), "a0", long, session_id="a", session_tokens=400)
+    engine.step()
+    b = engine.add_request(_prompt(2, 100), "a0", long, session_id="b", session_tokens=400)
+    seen = set()
+    while a.status is not Status.FINISHED:
+        engine.step()
+        seen.add(b.status)
+    assert (Status.RUNNING in seen or b.status is Status.FINISHED) == admitted_while_a_runs
+    while engine.scheduler.has_work:
+        engine.step()
+    assert a.error is None and b.error is None
+
+
+def test_a_wrong_projection_suspends_the_youngest_workflow_and_outputs_stay_exact():
+    """Hints far too small admit all four workflows (11 pages each at their first turn, 23 at
+    their last, in 60 pages); as their histories grow the pool runs out and the youngest
+    workflows are suspended whole, then recomputed: the outputs (float32, greedy) are those of a
+    pool that never runs out."""
+    one = {"a0": ADAPTERS["a0"]}
+    kw = dict(turns=5, n=4, obs=40)
+    want, _ = _workflows(_engine(adapters=one, kv_cache_bytes=4000 * PAGE_BYTES), ["a0"], **kw)
+    engine = _engine(adapters=one, kv_cache_bytes=60 * PAGE_BYTES, max_wait_s=1e9)
+    got, _ = _workflows(engine, ["a0"], hint=1, **kw)
+    assert got == want
+    s = engine.stats()
+    assert s["workflows_running_peak"] == 4 and s["workflows_suspended"] > 0
+
+
+@pytest.mark.parametrize("call,err", [
+    (dict(session_id="s", session_end=1), "session_end"),
+    (dict(session_id="s", session_tokens=0), "session_tokens"),
+    (dict(session_id="s", session_tokens=2.5), "session_tokens"),
+    (dict(session_end=True), "need a session_id"),
+])
+def test_bad_session_arguments_are_refused(call, err):
+    engine = _engine()
+    with pytest.raises(ValueError, match=err):
+        engine.add_request([1, 2, 3], "a0", **call)
+    assert not engine.scheduler.has_work and engine.scheduler.sessions.by_id == {}
+
+
+def test_bad_session_ttl_is_refused():
+    with pytest.raises(ValueError, match="session_ttl_s"):
+        _engine(session_ttl_s=-1)
