@@ -106,10 +106,10 @@ class CacheMachine(RuleBasedStateMachine):
         start = min(req.written, req.h.cached_len)
         base_slots, res_slots = req.h.slot_mapping(start, len(tokens))
         self.dev.write(base_slots, res_slots, tokens[start:], self.tag(req.adapter))
-        fan = np.zeros((len(tokens) - start, len(ADAPTERS)), np.int32)
-        req.h.fanout_slots(start, len(tokens), fan)
-        for slot in req.h.fanout:  # written from this request's x, into agent `slot`'s residual
-            self.dev.write(np.zeros_like(fan[:, slot]), fan[:, slot], tokens[start:], slot)
+        for slot, fan in req.h.fanout_slots(start, len(tokens)).items():
+            # written from this request's x, into agent `slot`'s residual
+            fan = np.asarray(fan, np.int32)
+            self.dev.write(np.zeros_like(fan), fan, tokens[start:], slot)
         req.tokens, req.written = tokens, len(tokens)
         return True
 

@@ -9,6 +9,7 @@ import pytest
 
 import forkjax
 from conftest import SMALL
+from forkjax.engine import admission
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sequence import PENDING, SamplingParams, Status
 
@@ -90,8 +91,9 @@ def test_abort_in_flight_keeps_the_cache_consistent():
 
 def test_preemption_waits_for_the_step_in_flight(monkeypatch):
     """Running requests outgrow a 12-page pool: the overlap engine must stop, take in the step in
-    flight, then preempt; outputs equal the synchronous engine's and a large pool's. `fifo`
-    admits by prompt pages alone (`lpm` counts the generation too and would not preempt)."""
+    flight, then preempt; outputs equal the synchronous engine's and a large pool's. Admission
+    counts one generated token here (DECODE_CLIP=1; it counts the generation, and would not
+    preempt, by default)."""
     raised = []
     decode_batch = Scheduler._decode_batch
 
@@ -103,12 +105,11 @@ def test_preemption_waits_for_the_step_in_flight(monkeypatch):
             raise
 
     monkeypatch.setattr(Scheduler, "_decode_batch", spy)
+    monkeypatch.setattr(admission, "DECODE_CLIP", 1)
     prompts = [_prompt(30 + i, 40) for i in range(3)]
     names = ["planner", "coder", None]
     kw = dict(max_new_tokens=40, ignore_eos=True)
-    small = {ov: _engine(ov, kv_cache_bytes=12 * (32768 + 3 * 8192),
-                    schedule_policy="fifo")
-             for ov in (True, False)}
+    small = {ov: _engine(ov, kv_cache_bytes=12 * (32768 + 3 * 8192)) for ov in (True, False)}
     got = {ov: e.generate(prompts, adapters=names, **kw) for ov, e in small.items()}
     assert raised and small[True].stats()["preemptions"] > 0
     assert got[True] == got[False] == _engine(True).generate(prompts, adapters=names, **kw)

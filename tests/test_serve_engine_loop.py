@@ -12,7 +12,8 @@ import types
 
 import pytest
 
-from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.cache.policy import salted
+from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.server.engine_loop import EngineLoop, RequestHandle
 from forkjax.tokenizer import ByteTokenizer
 
@@ -50,9 +51,11 @@ class ScriptedEngine:
         if not prompt:
             raise ValueError("empty prompt")
         fanout = {self.by_name[n][0]: n for n in fanout_adapters or ()}  # KeyError for an unknown one
-        seq = Sequence(prompt, adapter, 0, None, params, session_id=session_id,
-                       session_end=session_end, session_tokens=session_tokens, fanout=fanout)
-        seq.cache_salt = cache_salt  # what the engine folds into the cache key
+        # the salt is folded into the cache key (adapter_key), as the engine does
+        seq = Sequence(Request(tuple(prompt), adapter, 0, salted(adapter, cache_salt), params,
+                               session_id=session_id,
+                               session_end=session_end, session_tokens=session_tokens,
+                               fanout=tuple(fanout.items())))
         self.waiting.append(seq)
         self.added.append(seq)
         return seq
@@ -196,8 +199,8 @@ def test_session_salt_and_fanout_reach_every_choice(client, loop):
                                              "cache_salt": "team-a", "session_end": True,
                                              "session_tokens": 900})
     assert r.status_code == 200, r.text
-    assert [(s.session_id, s.session_end, s.session_tokens, s.fanout, s.cache_salt)
-            for s in loop.engine.added] == [("wf-1", True, 900, {1: "b"}, "team-a")] * 4
+    assert [(s.session_id, s.session_end, s.session_tokens, s.fanout, s.adapter_key)
+            for s in loop.engine.added] == [("wf-1", True, 900, {1: "b"}, salted("a", "team-a"))] * 4
 
 
 def test_bad_fanout_is_refused_before_anything_is_queued(client, loop):

@@ -251,16 +251,13 @@ class SeqCache:
         """`slot_mapping` for one position: (base slot, residual slot) as ints."""
         return self.base.slot(position), self.res.slot(position) if self.res else 0
 
-    def fanout_slots(self, start: int, end: int, out: np.ndarray) -> None:
-        """Fill out [end-start, N] int32 (zeros on entry): column j the residual slots of
-        adapter slot j's fan-out pool for positions [start, end), 0 where it has them."""
+    def fanout_slots(self, start: int, end: int) -> dict[int, np.ndarray]:
+        """{adapter slot: [end-start] int32 residual slots of its fan-out pool for positions
+        [start, end), 0 where it has them}."""
         if end - start == 1:  # decode: no numpy temporaries (host time is on the step)
-            for slot, pool in self.fanout.items():
-                out[0, slot] = pool.slot(start)
-        elif self.fanout:
-            positions = np.arange(start, end, dtype=np.int32)
-            for slot, pool in self.fanout.items():
-                out[:, slot] = pool.slots(positions)
+            return {slot: [pool.slot(start)] for slot, pool in self.fanout.items()}
+        positions = np.arange(start, end, dtype=np.int32)
+        return {slot: pool.slots(positions) for slot, pool in self.fanout.items()}
 
     @property
     def base_page_table(self) -> np.ndarray:

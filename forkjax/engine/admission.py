@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from forkjax.cache import DualRadixCache
+from forkjax.cache import DualRadixCache, PrefixHold
 from forkjax.engine.inflight import InflightPages
 from forkjax.engine.sequence import Sequence
 from forkjax.engine.sessions import Session, Sessions
@@ -61,6 +61,7 @@ class Admission:
         self.cache, self.inflight, self.sessions = cache, inflight, sessions
         self.policy, self.max_wait_s, self.clock = policy, max_wait_s, clock
         self.S = cache.page_size
+        self.holds: dict[int, PrefixHold] = {}  # waiting request id -> the prefix it would reuse
         self._failed_take = None  # the admission state in which taking held pages last failed
 
     def check_capacity(self, seq: Sequence, total: int) -> None:
@@ -91,19 +92,21 @@ class Admission:
         """A request joined the queue (new, or preempted)."""
         s = self.sessions.of(seq)
         if s is None or s.admitted:
-            seq.hold = self.cache.hold(seq.tokens, seq.adapter_key, list(seq.fanout.values()))
+            self.holds[seq.id] = self.cache.hold(seq.tokens, seq.adapter_key,
+                                                 list(seq.fanout.values()))
 
     def on_leave(self, seq: Sequence) -> None:
         """A request left the queue (admitted, finished or aborted)."""
-        if seq.hold is not None:
-            seq.hold.release()
-            seq.hold = None
+        hold = self.holds.pop(seq.id, None)
+        if hold is not None:
+            hold.release()
 
     def hits(self, seq: Sequence) -> list[int]:
         """Cached tokens per pool: [base, own residual (or none), fan-out residuals...]."""
-        if seq.hold is not None:
-            seq.hold.refresh()
-            return seq.hold.lengths
+        hold = self.holds.get(seq.id)
+        if hold is not None:
+            hold.refresh()
+            return hold.lengths
         return self.cache.match_lengths(seq.tokens, seq.adapter_key, list(seq.fanout.values()))
 
     def order(self, waiting) -> list[Sequence]:
@@ -207,8 +210,8 @@ class Admission:
         younger: dict = {s: list(s.holds.values()) for s in self.sessions.by_id.values()
                          if s.start > seq.priority and s not in idle}
         for w in waiting:
-            if w is not seq and w.hold is not None and w.priority > seq.priority:
-                younger.setdefault(self.sessions.of(w) or w, []).append(w.hold)
+            if w is not seq and w.id in self.holds and w.priority > seq.priority:
+                younger.setdefault(self.sessions.of(w) or w, []).append(self.holds[w.id])
         victims = [(s, list(s.holds.values())) for s in idle]
         victims += sorted(younger.items(), key=lambda t: -_age(t[0]))
         for i, (_, holds) in enumerate(victims):

@@ -146,8 +146,8 @@ class Engine(EngineCore):
         if not isinstance(start, int) or not 0 <= start < max(n, 1):
             raise ValueError(f"start={start!r}: expected an int in [0, {n})")
         seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
-                               cache_salt=cache_salt, score_from=start)
-        seq.return_hidden = return_hidden_states
+                               cache_salt=cache_salt, score_from=start,
+                               return_hidden=return_hidden_states)
         try:
             self._run_until_done([seq])
         except BaseException:

@@ -23,12 +23,11 @@ from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine.buckets import Buckets
-from forkjax.engine.model_runner import Fetched, Launched, ModelRunner
-from forkjax.engine.output_processor import mark_launched, process_outputs
+from forkjax.engine.model_runner import Launched, ModelRunner
 from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sessions import SESSION_TTL_S
-from forkjax.engine.sequence import SamplingParams, Sequence, Status
+from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slots import AdapterSlots, slot_rank
 
@@ -85,7 +84,7 @@ class EngineCore:
                     score: bool = False, *, session_id: str | None = None,
                     session_end: bool = False, session_tokens: int | None = None,
                     fanout_adapters=None, cache_salt: str | None = None,
-                    score_from: int = 0) -> Sequence:
+                    score_from: int = 0, return_hidden: bool = False) -> Sequence:
         """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
 
         `session_id`: requests of one workflow: the engine admits whole workflows as their
@@ -107,9 +106,11 @@ class EngineCore:
         if not params.ignore_eos:
             params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
-        seq = Sequence(ids, adapter, slot, key, params, score=score, session_id=session_id,
-                       session_end=session_end, session_tokens=session_tokens, fanout=fanout, prefill_whole_prompt=self.config.deterministic,
-                       score_from=score_from)
+        seq = Sequence(Request(
+            tuple(ids), adapter, slot, key, params, score=score, score_from=score_from,
+            return_hidden=return_hidden, prefill_whole_prompt=self.config.deterministic,
+            session_id=session_id, session_end=session_end, session_tokens=session_tokens,
+            fanout=tuple(fanout.items())))
         self.scheduler.add(seq)
         return seq
 
@@ -142,7 +143,7 @@ class EngineCore:
         self.metrics.time("dispatch_s", self.runner.last_dispatch_s)
         self.metrics.time("steps", 1)
         self.metrics.launched(batch)
-        mark_launched(batch)
+        self.scheduler.on_launched(batch)
         done += self._finish_inflight()  # the previous step, while this one runs
         self._inflight = launched
         return done + (self._finish_inflight() if sync else [])
@@ -154,13 +155,10 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.fetch(launched)
         t1 = time.perf_counter()
-        self._postprocess(launched.batch, out)
+        self.scheduler.process_outputs(launched.batch, out)
         self.metrics.time("device_s", t1 - t0)
         self.metrics.time("postprocess_s", time.perf_counter() - t1)
         return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once
-
-    def _postprocess(self, batch, out: Fetched):
-        process_outputs(self.scheduler, batch, out, self.max_model_len)
 
     def _run_until_done(self, seqs: list[Sequence]):
         while any(s.status is not Status.FINISHED for s in seqs):

@@ -25,14 +25,13 @@ import numpy as np
 PageKey = tuple[str, Hashable, int]  # (pool, namespace, chain hash)
 
 
-def page_hashes(tokens, page_size: int, known: list[int] | None = None) -> list[int]:
-    """Chain hashes of the whole pages of `tokens` (hash j covers tokens[:(j+1)·S]); `known`:
-    hashes of a prefix computed before, extended rather than recomputed."""
-    out = list(known or [])
+def page_hashes(tokens, page_size: int) -> list[int]:
+    """Chain hashes of the whole pages of `tokens` (hash j covers tokens[:(j+1)·S])."""
+    out = []
     data = np.asarray(tokens, np.int32)[: len(tokens) // page_size * page_size].tobytes()
     step = 4 * page_size
-    h = out[-1] if out else 0
-    for j in range(len(out), len(data) // step):
+    h = 0
+    for j in range(len(data) // step):
         h = hash((h, data[j * step:(j + 1) * step]))
         out.append(h)
     return out
@@ -51,22 +50,23 @@ def pool_namespaces(policy, seq) -> list[tuple[str, Hashable]]:
 
 class InflightPages:
     """{page key: id of the running request that will insert it}, and what requests ask of it.
-    A request carries `page_hashes` (its tokens' chain hashes) and `key_ns` (the (pool,
-    namespace) of each pool it uses, base first: `pool_namespaces`)."""
+    A request carries `key_ns` (the (pool, namespace) of each pool it uses, base first:
+    `pool_namespaces`); the chain hashes of its prompt's whole pages are computed here once."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.owner: dict[PageKey, int] = {}
+        self._hashes: dict[int, list[int]] = {}  # request id -> chain hashes of its prompt's pages
         self._owned: dict[int, list[tuple[int, PageKey]]] = {}  # request id -> (page, key)
 
     def register(self, seq, start: int, end: int) -> None:
         """Claim for `seq` the whole prompt pages in positions [start, end) nobody claimed."""
         S = self.page_size
-        last = min(len(seq.page_hashes), len(seq.prompt) // S, end // S)
+        hashes = self._prompt_hashes(seq)
         mine = self._owned.setdefault(seq.id, [])
-        for j in range(start // S, last):
+        for j in range(start // S, min(len(hashes), end // S)):
             for pool, ns in seq.key_ns:
-                key = (pool, ns, seq.page_hashes[j])
+                key = (pool, ns, hashes[j])
                 if key not in self.owner:
                     self.owner[key] = seq.id
                     mine.append((j, key))
@@ -76,12 +76,11 @@ class InflightPages:
         another request will insert."""
         if not self.owner:
             return 0
-        if not seq.page_hashes:
-            seq.page_hashes = page_hashes(seq.tokens, self.page_size)
+        hashes = self._prompt_hashes(seq)
         kind, ns = seq.key_ns[pool]
         count = 0
-        for j in range(first, min(len(seq.page_hashes), len(seq.prompt) // self.page_size)):
-            owner = self.owner.get((kind, ns, seq.page_hashes[j]))
+        for j in range(first, len(hashes)):
+            owner = self.owner.get((kind, ns, hashes[j]))
             if owner is None or owner == seq.id:
                 break
             count += 1
@@ -90,9 +89,10 @@ class InflightPages:
     def wait_point(self, seq, start: int, end: int) -> int:
         """First position in [start, end) of a page another request will insert, else end."""
         S = self.page_size
-        for j in range(start // S, min(-(-end // S), len(seq.page_hashes), len(seq.prompt) // S)):
+        hashes = self._prompt_hashes(seq)
+        for j in range(start // S, min(-(-end // S), len(hashes))):
             for pool, ns in seq.key_ns:
-                owner = self.owner.get((pool, ns, seq.page_hashes[j]))
+                owner = self.owner.get((pool, ns, hashes[j]))
                 if owner is not None and owner != seq.id:
                     return max(j * S, start)
         return end
@@ -124,6 +124,13 @@ class InflightPages:
         """Request `rid` left: its pages are nobody's now."""
         for _, key in self._owned.pop(rid, ()):
             del self.owner[key]
+        self._hashes.pop(rid, None)
+
+    def _prompt_hashes(self, seq) -> list[int]:
+        hashes = self._hashes.get(seq.id)
+        if hashes is None:
+            hashes = self._hashes[seq.id] = page_hashes(seq.prompt, self.page_size)
+        return hashes
 
     def __len__(self) -> int:
         return len(self.owner)

@@ -1,4 +1,5 @@
-"""A scheduled batch -> the host arrays of one step program's inputs, padded to its bucket.
+"""A scheduled batch's rows (batch.py) -> the host arrays of one step program's inputs, padded
+to its bucket.
 
 A step runs B = `b` rows of `c` token positions each (decode: c = 1; extend: a request's chunk,
 padded), T = b·c positions in all, rows ordered by adapter slot (the LoRA matmul groups tokens by
@@ -16,7 +17,7 @@ import numpy as np
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.paged_attention import PagedMeta
 from forkjax.engine.sampler import SamplingArrays
-from forkjax.engine.scheduler import ScheduledBatch
+from forkjax.engine.batch import BatchRow, ScheduledBatch
 from forkjax.engine.sequence import PENDING
 
 
@@ -33,13 +34,12 @@ class StepInputs:
 
 def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]:
     """(b, c, w): the bucket of `batch`'s rows, positions per row and page-table width."""
-    n = len(batch.seqs)
+    n = len(batch.rows)
     if batch.kind == "decode":
         b, c = buckets.decode(n), 1
     else:
-        b, c = buckets.extend(n, max(e - s for s, e in batch.chunks))
-    w = buckets.width(max(max(len(s.cache.base_page_table), len(s.cache.res_page_table))
-                          for s in batch.seqs))
+        b, c = buckets.extend(n, max(r.end - r.start for r in batch.rows))
+    w = buckets.width(max(max(len(r.base_page_table), len(r.res_page_table)) for r in batch.rows))
     return b, c, w
 
 
@@ -57,24 +57,29 @@ def build_inputs(batch: ScheduledBatch, b: int, c: int, w: int, num_slots: int,
     prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     group_sizes = np.zeros(num_slots, np.int32)
     rows = np.zeros(b, np.int32)
-    samp = sampling_arrays(batch.seqs, b)
-    for i, (seq, (s, e)) in enumerate(zip(batch.seqs, batch.chunks)):
+    samp = sampling_arrays(batch.rows, b)
+    for i, row in enumerate(batch.rows):
+        s, e = row.start, row.end
         if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
-            tokens[i * c], positions[i * c] = seq.token_at(s), s
+            tokens[i * c], positions[i * c] = row.tokens[0], s
             if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
-                prev_rows[i * c] = seq.sample_row
-            base_slots[i * c], res_slots[i * c] = seq.cache.slot_pair(s)
+                prev_rows[i * c] = row.prev_row
+            base_slots[i * c], res_slots[i * c] = row.base_slots[0], row.res_slots[0]
+            if fanout:
+                for slot, slots in row.fan_slots.items():
+                    fan_slots[i * c, slot] = slots[0]
         else:
             r = slice(i * c, i * c + e - s)
-            tokens[r] = seq.tokens[s:e]
+            tokens[r] = row.tokens
             positions[r] = np.arange(s, e)
-            base_slots[r], res_slots[r] = seq.cache.slot_mapping(s, e)
-        if fanout:
-            seq.cache.fanout_slots(s, e, fan_slots[i * c:i * c + e - s])
-        bpt, rpt = seq.cache.base_page_table, seq.cache.res_page_table
+            base_slots[r], res_slots[r] = row.base_slots, row.res_slots
+            if fanout:
+                for slot, slots in row.fan_slots.items():
+                    fan_slots[r, slot] = slots
+        bpt, rpt = row.base_page_table, row.res_page_table
         base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
-        prefix[i], chunk[i], adapter[i] = s, e - s, seq.slot
-        group_sizes[seq.slot] += c  # a request's padding rows ride in its own group
+        prefix[i], chunk[i], adapter[i] = s, e - s, row.adapter_slot
+        group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
         rows[i] = i * c + e - s - 1
     meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots)
     return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
@@ -91,12 +96,12 @@ def dummy_inputs(b: int, c: int, w: int, num_slots: int,
             sampling_arrays([], b))
 
 
-def sampling_arrays(seqs, b: int) -> SamplingArrays:
-    """Sampling parameters of `seqs` in rows 0.., greedy in the padding rows up to `b`."""
+def sampling_arrays(rows: list[BatchRow], b: int) -> SamplingArrays:
+    """Sampling parameters of `rows` in rows 0.., greedy in the padding rows up to `b`."""
     temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
     top_k, seed, step = np.zeros(b, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
-    for i, seq in enumerate(seqs):
-        p = seq.params
+    for i, row in enumerate(rows):
+        p = row.params
         temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-        seed[i], step[i] = p.seed & 0xFFFFFFFF, len(seq.output) + seq.pending
+        seed[i], step[i] = p.seed & 0xFFFFFFFF, row.step
     return SamplingArrays(temp, top_p, top_k, seed, step)

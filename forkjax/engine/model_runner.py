@@ -32,7 +32,7 @@ from forkjax.engine.input_batch import (StepInputs, batch_shape, build_inputs, d
                                         sampling_arrays)
 from forkjax.engine.paged_attention import paged_attention
 from forkjax.engine.sampler import SamplingArrays, greedy, sample
-from forkjax.engine.scheduler import ScheduledBatch
+from forkjax.engine.batch import ScheduledBatch
 from forkjax.models.transformer import ForwardBatch
 
 log = logging.getLogger("forkjax")
@@ -234,13 +234,13 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, all_logits: bool = False, hidden: bool = False) -> Launched:
         """Dispatch one scheduled batch without waiting for it (`all_logits`: every row's
         logits, `hidden`: every row's hidden states). A PENDING input token is read on the
-        device from the previous launch's row `seq.sample_row`, so this step can be dispatched
+        device from the previous launch's row `row.prev_row`, so this step can be dispatched
         before that one has finished."""
         b, c, w = batch_shape(batch, self.buckets)
         t0 = time.perf_counter()
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
-        fanout = self.fanout or any(s.cache.fanout for s in batch.seqs)
+        fanout = self.fanout or any(r.fan_slots for r in batch.rows)
         inputs, sampling = build_inputs(batch, b, c, w, self.num_slots, fanout)
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
@@ -255,8 +255,9 @@ class ModelRunner:
     @staticmethod
     def fetch(launched: Launched) -> Fetched:
         """Wait for a launched batch and read its outputs."""
-        batch, c, n = launched.batch, launched.chunk, len(launched.batch.seqs)
-        spans = [slice(i * c, i * c + e - s) for i, (s, e) in enumerate(batch.chunks)]
+        rows, c = launched.batch.rows, launched.chunk
+        n = len(rows)
+        spans = [slice(i * c, i * c + r.end - r.start) for i, r in enumerate(rows)]
         logits = None if launched.logits is None else np.asarray(launched.logits)
         hidden = None if launched.hidden is None else np.asarray(launched.hidden)
         return Fetched(np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n],

@@ -1,5 +1,6 @@
-"""What a step does to its requests on the host: when it is launched, and when its outputs are
-read (SGLang's output processing).
+"""What a step does to its requests on the host, when it is launched and when its outputs are
+read: the scheduler's output processing (SGLang's `SchedulerOutputProcessorMixin`), in a file of
+its own; the scheduler is the only writer of a request's state.
 
 At launch the host advances every request as if the step had finished: its positions count as
 computed and a request that samples has one more token, PENDING until the outputs arrive (with
@@ -11,58 +12,59 @@ tokens are appended, which may stop the request.
 
 from __future__ import annotations
 
-from forkjax.engine.model_runner import Fetched
-from forkjax.engine.scheduler import ScheduledBatch, Scheduler
+from forkjax.engine.batch import ScheduledBatch
 from forkjax.engine.sequence import NonFiniteError, Status
 
 
-def mark_launched(batch: ScheduledBatch) -> None:
-    """Advance the host state as if the launched step had finished: its positions are
-    computed and each request that samples has one more (PENDING) token."""
-    batch.samples = []
-    for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
-        seq.num_computed = end
-        if seq.score or end < len(seq):
-            continue  # a score request, or a prefill chunk short of the prompt's end
-        seq.pending += 1
-        seq.sample_row = i
-        batch.samples.append(i)
+class SchedulerOutputProcessorMixin:
+    """Methods of `Scheduler` (scheduler.py)."""
 
+    def on_launched(self, batch: ScheduledBatch) -> None:
+        """Advance the host state as if the launched step had finished: its positions are
+        computed and each request that samples has one more (PENDING) token."""
+        batch.samples = []
+        for i, (seq, (_, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+            seq.num_computed = end
+            if seq.score or end < len(seq):
+                continue  # a score request, or a prefill chunk short of the prompt's end
+            seq.pending += 1
+            seq.sample_row = i
+            batch.samples.append(i)
 
-def process_outputs(scheduler: Scheduler, batch: ScheduledBatch, out: Fetched,
-                    max_model_len: int) -> None:
-    """Take in the outputs of `batch`'s step: check, cache, keep logits, append tokens, stop."""
-    for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
-        if seq.status is not Status.RUNNING:
-            continue
-        if not out.finite[i]:  # before anything of this step enters the trees
-            scheduler.finish(seq, "error", NonFiniteError(
-                f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
-                f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
-            continue
-        bad = [slot for slot in seq.cache.fanout if not out.fan_finite[i, slot]]
-        if bad:  # another agent's residuals of this request: never cached, it goes on
-            scheduler.drop_fanout(seq, bad)
-        seq.num_verified = end
-        if seq.score:
-            seq.prompt_logits.append(out.logits[i])
-            if seq.return_hidden:
-                seq.prompt_hidden.append(out.hidden[i])
-            if end == len(seq):
-                scheduler.finish(seq, "length")
-    if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
-        for seq, (_, end) in zip(batch.seqs, batch.chunks):
-            scheduler.chunk_done(seq, end)
-    for i in batch.samples:
-        seq = batch.seqs[i]
-        if seq.status is not Status.RUNNING:
-            continue  # aborted, or stopped one step earlier: this token is dropped
-        seq.pending -= 1
-        token = int(out.tokens[i])
-        seq.output.append(token)
-        p = seq.params
-        if token in p.stop_token_ids:
-            scheduler.finish(seq, "stop")
-        elif (len(seq.output) >= p.max_new_tokens
-              or len(seq) - seq.pending >= max_model_len):
-            scheduler.finish(seq, "length")
+    def process_outputs(self, batch: ScheduledBatch, out) -> None:
+        """Take in the outputs of `batch`'s step (a model_runner.Fetched): check, cache, keep
+        logits, append tokens, stop."""
+        for i, (seq, (start, end)) in enumerate(zip(batch.seqs, batch.chunks)):
+            if seq.status is not Status.RUNNING:
+                continue
+            if not out.finite[i]:  # before anything of this step enters the trees
+                self.finish(seq, "error", NonFiniteError(
+                    f"the model computed NaN or inf for positions {start}-{end - 1} of this request"
+                    f" (adapter {seq.adapter!r}); from {start} on, nothing of it was cached"))
+                continue
+            bad = [slot for slot in seq.cache.fanout if not out.fan_finite[i, slot]]
+            if bad:  # another agent's residuals of this request: never cached, it goes on
+                self.drop_fanout(seq, bad)
+            seq.num_verified = end
+            if seq.score:
+                seq.prompt_logits.append(out.logits[i])
+                if seq.return_hidden:
+                    seq.prompt_hidden.append(out.hidden[i])
+                if end == len(seq):
+                    self.finish(seq, "length")
+        if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
+            for seq, (_, end) in zip(batch.seqs, batch.chunks):
+                self.chunk_done(seq, end)
+        for i in batch.samples:
+            seq = batch.seqs[i]
+            if seq.status is not Status.RUNNING:
+                continue  # aborted, or stopped one step earlier: this token is dropped
+            seq.pending -= 1
+            token = int(out.tokens[i])
+            seq.output.append(token)
+            p = seq.params
+            if token in p.stop_token_ids:
+                self.finish(seq, "stop")
+            elif (len(seq.output) >= p.max_new_tokens
+                  or len(seq) - seq.pending >= self.max_model_len):
+                self.finish(seq, "length")

@@ -8,16 +8,18 @@ running requests for more than one step.
 
 Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
 (`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
-the trees when its step is done (output_processor.py), so requests admitted together share what
-the first of them computes (inflight.py). A running request that cannot get a page preempts the
+the trees when its step is done (output processing, output_processor.py's mixin), so requests
+admitted together share what the first of them computes (inflight.py). A running request that cannot get a page preempts the
 one of the youngest workflow (its pages go back, it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
+
+The scheduler alone writes a request's state (`Sequence`); a batch leaves it as plain data
+(batch.py) whose rows carry the page tables and write slots the model runner needs.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,24 +28,14 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, OutOfPages
 from forkjax.engine.admission import Admission
+from forkjax.engine.batch import BatchRow, ScheduledBatch
 from forkjax.engine.buckets import Buckets
-from forkjax.engine.inflight import InflightPages, page_hashes, pool_namespaces
+from forkjax.engine.inflight import InflightPages, pool_namespaces
+from forkjax.engine.output_processor import SchedulerOutputProcessorMixin
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 
 log = logging.getLogger("forkjax")
-
-
-@dataclasses.dataclass
-class ScheduledBatch:
-    kind: str  # "extend" | "decode"
-    # ordered by adapter slot (the LoRA matmul groups tokens by slot); a request's consecutive
-    # chunks follow one another when its prompt is split into pieces (fixed buckets)
-    seqs: list[Sequence]
-    chunks: list[tuple[int, int]]  # per entry: positions [start, end) computed this step
-    base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes
-    res_copies: list[tuple[int, int]]
-    samples: list[int] = dataclasses.field(default_factory=list)  # requests that sample a token
 
 
 class PreemptionNeeded(RuntimeError):
@@ -51,7 +43,7 @@ class PreemptionNeeded(RuntimeError):
     step in flight must be known first."""
 
 
-class Scheduler:
+class Scheduler(SchedulerOutputProcessorMixin):
     def __init__(self, cache: DualRadixCache, buckets: Buckets, *, max_batch_size: int,
                  max_prefill_tokens: int, max_model_len: int, schedule_policy: str = "lpm",
                  max_wait_s: float = 60.0, session_ttl_s: float = SESSION_TTL_S,
@@ -73,6 +65,10 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"
+        # per running request: the cache versions when it last took over others' pages, and
+        # the copy-on-write (src, dst) page pairs (base, residual) to run before it writes
+        self._seen: dict[int, tuple] = {}
+        self._copies: dict[int, tuple[list, list]] = {}
         self.num_preemptions = 0
         self.prefill_tokens_computed = 0
         self.workflows_running_peak = 0  # most sessions with a request running at once
@@ -112,6 +108,7 @@ class Scheduler:
             return None
         self._last_kind = batch.kind
         batch.seqs, batch.chunks = _by_slot(batch.seqs, batch.chunks)
+        batch.rows = [BatchRow.of(seq, start, end) for seq, (start, end) in zip(batch.seqs, batch.chunks)]
         return batch
 
     def _last_in_flight(self, seq: Sequence) -> bool:
@@ -132,14 +129,13 @@ class Scheduler:
     def _start(self, seq: Sequence):
         self.waiting.remove(seq)
         self.admission.on_leave(seq)
-        h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=not seq.admitted,
-                             fanout=seq.fanout)
-        if not seq.admitted:
+        first = seq.first_admitted is None  # a preempted request's hits are not recounted
+        h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=first, fanout=seq.fanout)
+        if first:
             seq.first_admitted = self.clock()
-        seq.cache, seq.status, seq.admitted = h, Status.RUNNING, True
+        seq.cache, seq.status = h, Status.RUNNING
         seq.num_computed = min(h.cached_len, seq.score_from if seq.score else len(seq) - 1)
-        seq.pending_copies = ([], [])
-        seq.page_hashes = page_hashes(seq.tokens, self.cache.page_size, seq.page_hashes)
+        self._copies[seq.id] = ([], [])
         self.inflight.register(seq, seq.num_computed, len(seq.prompt))
         self.running.append(seq)
 
@@ -148,9 +144,9 @@ class Scheduler:
     def _catch_up(self, seq: Sequence):
         """Take over pages others inserted since this request last looked (a score request
         computes, and keeps the logits of, every position)."""
-        if seq.score or seq.seen_versions == self.cache.versions:
+        if seq.score or self._seen.get(seq.id) == self.cache.versions:
             return
-        seq.seen_versions = self.cache.versions
+        self._seen[seq.id] = self.cache.versions
         if seq.cache.extend_hits(seq.tokens):
             seq.num_computed = max(seq.num_computed, min(seq.cache.cached_len, len(seq) - 1))
         self._forget_dropped_fanout(seq)
@@ -225,7 +221,7 @@ class Scheduler:
         while seq.status is Status.RUNNING:
             try:
                 copies = seq.cache.reserve(num_tokens)
-                seq.pending_copies = _merge(seq.pending_copies, copies)
+                self._copies[seq.id] = _merge(self._copies[seq.id], copies)
                 self._forget_dropped_fanout(seq)
                 return True
             except OutOfPages:
@@ -237,10 +233,10 @@ class Scheduler:
     def _with_copies(self, kind, seqs, chunks) -> ScheduledBatch:
         base, res = [], []
         for seq in seqs:
-            b, r = seq.pending_copies
+            b, r = self._copies[seq.id]
             base += b
             res += r
-            seq.pending_copies = ([], [])
+            self._copies[seq.id] = ([], [])
         return ScheduledBatch(kind, seqs, chunks, base, res)
 
     def _preempt_one(self, protect: Sequence):
@@ -262,8 +258,8 @@ class Scheduler:
     def _release(self, seq: Sequence):
         seq.cache.release()
         seq.cache = None
-        seq.pending_copies = ([], [])
-        seq.seen_versions = None
+        self._copies.pop(seq.id, None)
+        self._seen.pop(seq.id, None)
         self.inflight.release(seq.id)
 
     # ---- chunk insertion and finish -------------------------------------------------------
@@ -289,6 +285,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.admission.on_leave(seq)
+            self.inflight.release(seq.id)
             if seq.session_id is not None:
                 self.sessions.ended(seq)
         seq.finish(reason, error)
@@ -301,3 +298,4 @@ def _merge(a, b):
 def _by_slot(seqs, chunks):
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
     return [seqs[i] for i in order], [chunks[i] for i in order]
+

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -50,70 +51,81 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed!r}: expected an int")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+    """What a client asked for; it never changes once queued."""
+    prompt: tuple[int, ...]
+    adapter: str | None  # None: the bare base model
+    slot: int  # its adapter's device slot
+    adapter_key: Hashable  # its adapter's cache identity (salted: cache/policy.py)
+    params: SamplingParams
+    score: bool = False  # compute prompt positions and keep their logits
+    score_from: int = 0  # a score request computes from here, or where the cache ends
+    return_hidden: bool = False  # a score request keeps its hidden states too
+    # Deterministic mode: every prompt token, the last one included, is computed by an extend
+    # step, even when the cache holds all but it (by default a decode step computes it then).
+    prefill_whole_prompt: bool = False
+    session_id: str | None = None  # a workflow's requests share one (sessions.py)
+    session_end: bool = False  # its workflow's last: the session ends when it does
+    session_tokens: int | None = None  # the workflow's expected final length
+    fanout: tuple[tuple[int, Hashable], ...] = ()  # (adapter slot, key) whose residuals it writes
+
+
 class Sequence:
-    def __init__(self, prompt: list[int], adapter: str | None, slot: int, adapter_key,
-                 params: SamplingParams, score: bool = False, *, session_id: str | None = None,
-                 session_end: bool = False, session_tokens: int | None = None,
-                 fanout: dict[int, object] | None = None, prefill_whole_prompt: bool = False,
-                 score_from: int = 0):
+    """A request and the state the scheduler moves it through. Only the scheduler (scheduler.py
+    and the output processing it runs) writes the state; everything else reads it, the
+    request's fields included (`seq.prompt` is `seq.req.prompt`)."""
+
+    __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
+                 "first_admitted", "cache", "fanout", "key_ns", "num_computed", "num_verified",
+                 "pending", "sample_row", "prompt_logits", "prompt_hidden")
+
+    def __init__(self, req: Request):
         self.id = next(_ids)
-        self.prompt = list(prompt)
-        self.adapter, self.slot, self.adapter_key = adapter, slot, adapter_key
-        self.params = params
-        self.score = score  # compute prompt positions and keep their logits
-        self.score_from = score_from  # a score request computes from here, or where the cache ends
-        # Deterministic mode: every prompt token, the last one included, is computed by an extend
-        # step, even when the cache holds all but it (by default a decode step computes it then).
-        self.prefill_whole_prompt = prefill_whole_prompt
-        self.session_id = session_id  # a workflow's requests share one: its pages outlive a tool call
-        self.session_end = session_end  # its workflow's last: the session's holds drop when it ends
-        self.session_tokens = session_tokens  # the workflow's expected final length (sessions.py)
-        self.fanout = fanout or {}  # {adapter slot: adapter key} whose residuals this one writes
+        self.req = req
+        self.status = Status.WAITING
+        self.output: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
         self.arrival = time.monotonic()  # the scheduler's clock sets it when queued
         self.priority = self.arrival  # its workflow's age under pressure (admission.py)
-        self.hold = None  # PrefixHold while waiting (cache-aware admission)
-        self.page_hashes: list[int] = []  # chain hashes of whole pages of `tokens` (inflight.py)
-        self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
-        self.seen_versions = None  # the cache's versions when it last took over others' pages
-        self.output: list[int] = []
-        self.status = Status.WAITING
+        self.first_admitted: float | None = None  # when it was first admitted
         self.cache = None  # SeqCache while running
+        self.fanout = dict(req.fanout)  # {adapter slot: key} it still writes (one may drop out)
+        self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
         # leading tokens computed by steps whose results were read and found finite: what a
         # finish may insert into the trees (with overlap a step still in flight is unchecked)
         self.num_verified = 0
-        self.admitted = False  # admitted once already (a preempted request is not recounted)
-        self.first_admitted: float | None = None  # time.monotonic() of its first admission
         self.pending = 0  # sampled tokens still on the device (overlap: at most 2, briefly)
         self.sample_row = 0  # row of its token in the last launched step's sampled output
         self.prompt_logits: list[np.ndarray] = []  # score requests: [chunk, vocab] pieces
-        self.return_hidden = False  # score requests: keep hidden states too
         self.prompt_hidden: list[np.ndarray] = []  # [L + 1, chunk, d] pieces
-        # Copy-on-write (src, dst) page pairs (base, residual) to run before this request writes.
-        self.pending_copies: tuple[list, list] = ([], [])
-        self.finish_reason: str | None = None
-        self.error: Exception | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.req, name)  # the request's fields, read-only
 
     @property
     def tokens(self) -> list[int]:
         """Known tokens (pending ones excluded)."""
-        return self.prompt + self.output
+        return [*self.req.prompt, *self.output]
 
     def token_at(self, i: int) -> int:
         """tokens[i] without building the list (a decode step needs one token); PENDING past
         the known tokens."""
-        n, m = len(self.prompt), len(self.output)
-        return self.prompt[i] if i < n else self.output[i - n] if i < n + m else PENDING
+        n, m = len(self.req.prompt), len(self.output)
+        return self.req.prompt[i] if i < n else self.output[i - n] if i < n + m else PENDING
 
     def __len__(self) -> int:
         """Tokens so far, pending ones included (positions the cache has or will have)."""
-        return len(self.prompt) + len(self.output) + self.pending
+        return len(self.req.prompt) + len(self.output) + self.pending
 
     @property
     def in_prefill(self) -> bool:
         """Tokens are still missing from the cache before the next decode step."""
-        return (self.num_computed < len(self) - 1 or (self.score and self.num_computed < len(self))
-                or (self.prefill_whole_prompt and self.num_computed < len(self.prompt)))
+        req = self.req
+        return (self.num_computed < len(self) - 1 or (req.score and self.num_computed < len(self))
+                or (req.prefill_whole_prompt and self.num_computed < len(req.prompt)))
 
     def finish(self, reason: str, error: Exception | None = None):
         self.status = Status.FINISHED
