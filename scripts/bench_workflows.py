@@ -10,6 +10,19 @@ workflows of LoRA agents on one base model, tasks/s against concurrent workflows
     PYTHONPATH=. python3 scripts/bench_workflows.py --pattern mapreduce --workflows 16 \\
         --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 --gen 64 \\
         --out $OUT/mapreduce
+    # Steady state: 16 and 32 slots, each running 3x as many workflows in all (a finished
+    # workflow's slot starts the next one)
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --sweep 16,32 --total 3x \\
+        --policy prefix,forkkv,forkkv+fanout --context 4096 --gen 64 --obs 64 --out $OUT/steady
+    # The same without the workflows' final lengths (the engine projects them itself)
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --workflows 32 --total 96 \\
+        --policy forkkv --no-session-hints --out $OUT/nohints
+    # Model-free replay on a CPU: the real scheduler and cache at the 8B geometry, a virtual
+    # clock and H200 step costs (forkjax/workflows/replay.py); GPU defaults (16e9 KV bytes,
+    # max batch 64, 2,048 prefill tokens a step)
+    PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --sweep 16,32 \\
+        --total 3x --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 \\
+        --gen 64 --obs 64 --out /tmp/replay
     # CPU smoke run
     PYTHONPATH=. python scripts/bench_workflows.py --model tiny-llama --workflows 2 --context 64 \\
         --gen 4 --obs 4 --rounds 2 --no-warmup --out /tmp/wf
@@ -21,6 +34,28 @@ A, as LRAgent requires), `forkkv+fanout` (forkkv whose requests also write the r
 workflow's other agents). `lrshared` agents share one random A per layer and module; the other
 policies' agents are independent rank-`--rank` adapters on q/k/v/o, one per agent.
 
+Closed loop: --workflows N (or each count of --sweep) slots start their workflows at t=0, and
+with --total M a finished workflow's slot starts the next one (workflow i's lengths and tokens
+come from seed (--seed, i)) until M have started; M defaults to N, `--total Kx` is K·N.
+`tasks_per_s` is the makespan figure (M workflows over the first submit to the last finish),
+`tasks_per_s_steady` the workflows finished per second between the N-th start and the (M−N)-th
+finish (null unless M > N), `tasks_per_s_sustained` the workflows' worth of calls finished per
+second between the N-th and the (M−N)-th finish (null unless M > 2N; less moved by workflows
+finishing in bursts): forkjax/workflows/results.py defines them. Every call carries its
+workflow's session: `session_end` on its last call and, unless --no-session-hints,
+`session_tokens`, the workflow's final length.
+
+Each run also reports `prefill_tokens_minimal`, the prompt positions the policy must compute at
+least (the run's requests replayed through a cache that never evicts:
+forkjax/workflows/minimal.py), `recompute_ratio` = prefill_tokens_computed / that,
+`workflows_running_peak` (the most workflows with a request in the running batch at once) and
+`max_batch_size` (the engine's).
+
+--replay runs the same drivers on `ReplayEngine` (forkjax/workflows/replay.py): the real
+scheduler and cache at the model's full geometry with no weights, on a virtual clock whose steps
+cost what H200 measurements say; its results say `"replay": true` and carry the cost model's
+constants (`step_cost`). Its times (tasks/s, latencies) are modelled seconds; `wall_s` is real.
+
 One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
 before each run); its warm-up compiles every shape: `compile_s` is that warm-up's time, split in
 `compile_breakdown` by JAX's monitoring events (tracing, lowering to MLIR, XLA's compile), and
@@ -28,7 +63,7 @@ before each run); its warm-up compiles every shape: `compile_s` is that warm-up'
 programs across engines and runs; `compile_s` then counts loading them). Lengths of the fixed profile: --context (shared, read first),
 --instruction (each agent's cue or instruction, read last), --gen and --obs (ReAct's tool
 observation) tokens; --profile loogle|narrativeqa|apigen draws them instead. The KV budget
-defaults to 16e9 bytes on a GPU: what a 40-80 GB GPU keeps for K/V beside a larger model's
+defaults to 16e9 bytes on a GPU and with --replay: what a 40-80 GB GPU keeps for K/V beside a larger model's
 weights, i.e. the memory contention ForkKV is about (an H200 would otherwise give ~100 GB, where no
 policy runs out of room); 64 MiB on a CPU. `per_agent_kv_bytes` is measured after each run in a
 budget that evicts nothing: the cache flushed, ONE workflow of the same shape (no tool latency)
@@ -58,17 +93,21 @@ import forkjax
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
-                               longest_request, make_workflows)
+                               longest_request, make_workflows, workflow_source)
 from forkjax.workflows.agents import agent_adapters
+from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.runners import InProcess, OverHttp
 from forkjax.workflows.plots import plot_breakdown, plot_throughput
 
 POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
 WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
 GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
+REPLAY_MAX_BATCH = 64  # the engine's default on a GPU
 FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
-SUMMARY = ("policy", "workflows", "tasks_per_s", "tokens_per_s", "per_agent_kv_bytes", "base_hit_rate",
-           "residual_hit_rate", "decode_batch_size_mean", "prefill_tokens_computed", "preemptions",
+SUMMARY = ("policy", "workflows", "total", "max_batch_size", "session_hints", "tasks_per_s",
+           "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
+           "base_hit_rate", "residual_hit_rate", "decode_batch_size_mean", "workflows_running_peak",
+           "prefill_tokens_computed", "prefill_tokens_minimal", "recompute_ratio", "preemptions",
            "latency_p50_s", "compile_s", "build_s", "wall_s")
 
 
@@ -80,13 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     n = p.add_mutually_exclusive_group()
     n.add_argument("--workflows", type=int, default=None, help="concurrent workflows (4)")
     n.add_argument("--sweep", default=None, help="comma list of workflow counts, e.g. 1,2,4,8,16,32")
+    p.add_argument("--total", default=None, help="workflows in all, M >= N, or Kx for K times N: a "
+                   "finished workflow's slot starts the next one (default: N)")
+    p.add_argument("--no-session-hints", dest="session_hints", action="store_false",
+                   help="calls do not tell the engine their workflow's final length (session_tokens)")
+    p.add_argument("--replay", action="store_true", help="model-free: the real scheduler and cache "
+                   "at the model's geometry, a virtual clock and H200 step costs (replay.py)")
     p.add_argument("--policy", default="forkkv", help=f"one or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--residual-fanout", action="store_true", help="run every forkkv as forkkv+fanout")
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of the KV budget for the residual pool (engine default)")
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"))
     p.add_argument("--kv-cache-bytes", type=float, default=None,
-                   help="KV budget in bytes (16e9 on a GPU, 64 MiB on a CPU)")
+                   help="KV budget in bytes (16e9 on a GPU and with --replay, 64 MiB on a CPU)")
     p.add_argument("--profile", default="fixed", choices=("fixed", *PROFILES),
                    help="lengths: fixed (the flags below) or a dataset's (forkjax/workflows/profiles.py)")
     for name, default in FIXED_DEFAULTS.items():
@@ -96,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mappers", type=int, default=4, help="MapReduce mappers (plus one reducer)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
-    p.add_argument("--max-batch-size", type=int, default=None, help="(engine default: 64 GPU, 16 CPU)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="(engine default: 64 GPU and --replay, 16 CPU)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--compile-workers", type=int, default=None,
@@ -111,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args) -> tuple[list[str], list[int]]:
-    """Validate flags (ValueError naming the flag) and fill defaults -> (policies, counts)."""
+    """Validate flags (ValueError naming the flag) and fill defaults -> (policies, counts);
+    `args.totals` becomes {N: M}."""
     policies = [s.strip() for s in args.policy.split(",")]
     bad = [s for s in policies if s not in POLICIES]
     if bad or len(set(policies)) != len(policies):
@@ -129,6 +176,9 @@ def check_args(args) -> tuple[list[str], list[int]]:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if min(counts) < 1:
         raise ValueError(f"workflow counts {counts}: expected >= 1")
+    args.totals = {n: total_of(args.total, n) for n in counts}
+    if args.replay and args.http:
+        raise ValueError("--replay drives a model-free engine in process: not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
@@ -143,11 +193,26 @@ def check_args(args) -> tuple[list[str], list[int]]:
     for k, v in FIXED_DEFAULTS.items():
         setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     if args.kv_cache_bytes is None:
-        args.kv_cache_bytes = GPU_KV_BYTES if jax.default_backend() == "gpu" else CPU_KV_BYTES
+        args.kv_cache_bytes = GPU_KV_BYTES if args.replay or jax.default_backend() == "gpu" else CPU_KV_BYTES
+    if args.replay and args.max_batch_size is None:
+        args.max_batch_size = REPLAY_MAX_BATCH
     args.kv_cache_bytes = int(args.kv_cache_bytes)
     if args.kv_cache_bytes < 1:
         raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
     return policies, counts
+
+
+def total_of(total: str | None, n: int) -> int:
+    """--total's M for N slots: an int, or Kx for K·N; N without the flag."""
+    if total is None:
+        return n
+    try:
+        m = int(total[:-1]) * n if total.endswith("x") else int(total)
+    except ValueError:
+        raise ValueError(f"--total {total!r}: expected an int or Kx (K times the workflows)") from None
+    if m < n:
+        raise ValueError(f"--total {total!r}: {m} workflows in all for {n} slots; expected >= {n}")
+    return m
 
 
 class CompileTimes:
@@ -189,32 +254,65 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
                         compile_breakdown=COMPILE_TIMES.since(before))
 
 
+def build_replay(args, policy: str, names: list[str], max_model_len: int):
+    """-> (ReplayEngine for `policy` over the agents `names`, its build record)."""
+    from forkjax.workflows.replay import ReplayEngine
+    t = time.perf_counter()
+    engine = ReplayEngine(args.model, names, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
+                          residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
+                          max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
+                          max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
+                          residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
+                          schedule_policy=args.schedule_policy, seed=args.seed)
+    return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
+                        **engine.describe())
+
+
 def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens) -> dict:
-    """One timed run of `n` workflows, then the per-agent KV of one workflow alone."""
+    """One timed run of `n` slots over `args.totals[n]` workflows, then the per-agent KV of one
+    workflow alone."""
     shape = dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
+    total = args.totals[n]
     runner.fresh()
     t = time.perf_counter()
-    workflows = make_workflows(args.pattern, n, profile, tokens, tool_latency=args.tool_latency, **shape)
-    result, stats = runner.run(workflows, desc=f"{policy} x{n}")
+    source = workflow_source(args.pattern, n, total, profile, tokens, tool_latency=args.tool_latency,
+                             **shape)
+    result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
     runner.fresh()  # an empty cache whose budget evicts nothing; tool latency changes no KV
     _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
+    cache = runner.engine.cache
+    minimal = prefill_tokens_minimal(result.records, cache.policy.name, cache.page_size,
+                                     fanout=policy == "forkkv+fanout")
     prompt = stats["prompt_tokens"]
-    return {**result.summary(), "policy": policy, "workflows": n, "wall_s": wall_s,
+    computed = stats.get("prefill_tokens_computed")
+    return {**result.summary(), "policy": policy, "workflows": n, "total": total, "wall_s": wall_s,
+            "session_hints": args.session_hints,
+            "max_batch_size": runner.engine.scheduler.max_batch_size,
             "per_agent_kv_bytes": (one["base_bytes_used"] + one["residual_bytes_used"]) / len(names),
             "base_hit_rate": stats["base_hit_tokens"] / prompt,
             "residual_hit_rate": stats["residual_hit_tokens"] / prompt,
-            **{k: stats[k] for k in ("decode_batch_size_mean", "prefill_tokens_computed", "prompt_tokens",
-                                     "base_hit_tokens", "residual_hit_tokens", "preemptions")}}
+            "prefill_tokens_minimal": minimal,
+            "recompute_ratio": None if computed is None or not minimal else computed / minimal,
+            "workflows_running_peak": stats.get("workflows_running_peak"),
+            **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
+                                         "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
+                                         "preemptions")}}
 
 
 def summary_line(row: dict) -> str:
-    return (f"{row['pattern']} {row['policy']} x{row['workflows']}: {row['tasks_per_s']:.3f} tasks/s, "
+    def f(key, spec):
+        return "n/a" if row.get(key) is None else format(row[key], spec)
+    return (f"{'replay ' if row.get('replay') else ''}{row['pattern']} {row['policy']} "
+            f"x{row['workflows']} ({row['total']} in all): {row['tasks_per_s']:.3f} tasks/s, steady "
+            f"{f('tasks_per_s_steady', '.3f')}, sustained {f('tasks_per_s_sustained', '.3f')}, "
             f"{row['tokens_per_s']:.1f} tok/s, KV/agent {row['per_agent_kv_bytes'] / 2**20:.2f} MiB, "
             f"hit base {row['base_hit_rate']:.3f} residual {row['residual_hit_rate']:.3f}, decode batch "
-            f"{row['decode_batch_size_mean']:.1f}, prefill {row['prefill_tokens_computed']} tok, "
-            f"{row['preemptions']} preemptions (run {row['wall_s']:.1f} s, compile {row['compile_s']:.1f} s "
-            f"{row['compile_breakdown']})")
+            f"{f('decode_batch_size_mean', '.1f')} (max {row['max_batch_size']}), workflows running "
+            f"peak {row.get('workflows_running_peak')}, prefill {row.get('prefill_tokens_computed')} tok"
+            f" / minimal {row['prefill_tokens_minimal']} = {f('recompute_ratio', '.3f')}, "
+            f"{row.get('preemptions')} preemptions (run {row['wall_s']:.1f} s, compile "
+            f"{row['compile_s']:.1f} s {row['compile_breakdown']})")
 
 
 def git_commit() -> str | None:
@@ -259,20 +357,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"the longest request ({longest} tokens) exceeds {args.model}'s context of "
                          f"{cfg.max_position_embeddings}")
-    meta = {**vars(args), "agents_per_workflow": len(names), "max_model_len": max_model_len,
+    meta = {**{k: v for k, v in vars(args).items() if k != "totals"},
+            "agents_per_workflow": len(names), "max_model_len": max_model_len,
             "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "git_commit": git_commit(),
             "command": shlex.join(["scripts/bench_workflows.py", *argv])}
     single = len(policies) == 1 and len(counts) == 1
     shown = ("context", "gen", "obs") if args.pattern == "react" else ("context", "gen")
     lengths = ", ".join(f"{k} {fixed[k]}" for k in shown) if fixed else f"{args.profile} lengths"
-    title = f"{args.model} {args.pattern}, {len(names)} agents, {lengths}"
+    title = f"{'replay: ' if args.replay else ''}{args.model} {args.pattern}, {len(names)} agents, {lengths}"
     rows = []
     for policy in policies:
-        engine, build = build_engine(args, policy, names, cfg, max_model_len)
+        if args.replay:
+            engine, build = build_replay(args, policy, names, max_model_len)
+        else:
+            engine, build = build_engine(args, policy, names, cfg, max_model_len)
         fanout = policy == "forkkv+fanout"
         with _serving(engine, args) as server:
-            runner = OverHttp(server, fanout) if args.http else InProcess(engine, fanout)
+            if args.http:
+                runner = OverHttp(server, fanout, args.session_hints)
+            elif args.replay:
+                runner = InProcess(engine, fanout, args.session_hints, clock=engine.clock,
+                                   sleep=engine.sleep)
+            else:
+                runner = InProcess(engine, fanout, args.session_hints)
             for n in counts:
                 row = {**meta, **run_point(runner, args, policy, n, names, profile, tokens), **build}
                 rows.append(row)

@@ -1,6 +1,8 @@
 """Agent workflows: the shapes ReAct and MapReduce hand the engine, the length profiles, the
-closed-loop driver's timing, and a smoke run of scripts/bench_workflows.py for every policy."""
+closed loop's slots and timing, the session fields both drivers send, the minimal prefill
+replay, and smoke runs of scripts/bench_workflows.py for every policy."""
 
+import asyncio
 import csv
 import importlib.util
 import json
@@ -11,9 +13,12 @@ import pytest
 
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
-from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ReActWorkflow, TokenSampler,
-                               agent_names, fixed_profile, get_profile, longest_request, make_workflows)
+from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ReActWorkflow, RequestRecord,
+                               RunResult, TokenSampler, WorkflowSource, agent_names, fixed_profile,
+                               get_profile, longest_request, make_workflows, workflow_source)
 from forkjax.workflows.driver import run_in_process
+from forkjax.workflows.loop import ClosedLoop
+from forkjax.workflows.minimal import prefill_tokens_minimal
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
 TOKENS = TokenSampler.for_model(TINY)
@@ -30,6 +35,18 @@ def _bench():
 
 def _fake_output(req):
     return [int(t) for t in np.random.default_rng(req.turn).integers(0, 256, req.max_tokens)]
+
+
+def _run_fake(w, t=0.0):
+    """Run workflow `w` to its end with fake outputs -> its requests in call order."""
+    calls = []
+    while not w.done:
+        ready = w.pop_ready(t)
+        calls += ready
+        for req in ready:
+            w.complete(req, _fake_output(req), t)
+        t += 1.0
+    return calls
 
 
 # ---- workflow shapes ----------------------------------------------------------------------------
@@ -92,6 +109,21 @@ def test_mapreduce_maps_together_then_reduces_in_mapper_order():
     assert w.done
 
 
+@pytest.mark.parametrize("pattern", ["react", "mapreduce"])
+def test_workflows_know_their_final_length_and_their_last_call(pattern):
+    prof = PROFILES["apigen"]  # lengths drawn: every turn's generation and observation differ
+    w, again = (make_workflows(pattern, 3, prof, TOKENS, seed=4, rounds=3, mappers=3)[2] for _ in range(2))
+    final = w.final_tokens  # known before it runs
+    calls = _run_fake(w)
+    assert [c.last for c in calls] == [False] * (len(calls) - 1) + [True]
+    assert final == max(len(c.prompt) + c.max_tokens for c in calls)
+    assert final == len(calls[-1].prompt) + calls[-1].max_tokens
+    assert len({c.max_tokens for c in calls}) > 1
+    # The same seed and index draw the same shape, however the run went.
+    assert again.final_tokens == final
+    assert [c.max_tokens for c in _run_fake(again, 5.0)] == [c.max_tokens for c in calls]
+
+
 def test_workflows_are_seeded_per_index():
     prof = PROFILES["apigen"]
     a = make_workflows("react", 1, prof, TOKENS, seed=5)[0]
@@ -131,15 +163,107 @@ def test_random_tokens_avoid_special_ids():
     assert set(tiny) == set(range(1, 256))
 
 
-# ---- the in-process driver ----------------------------------------------------------------------
+# ---- steady state and the minimal prefill -------------------------------------------------------
 
-def test_driver_runs_closed_loop_and_waits_out_tool_latencies():
-    # The engine the smoke runs below build for forkkv: they then reuse its compiled programs.
+def _record(sid, turn, submit, finish, prompt=(), output=(), adapter="a", order=0, fanout=()):
+    return RequestRecord(sid, turn, adapter, len(prompt), len(output), submit, finish, order=order,
+                         fanout_adapters=tuple(fanout), prompt_ids=np.asarray(prompt, np.int32),
+                         output_ids=np.asarray(output, np.int32))
+
+
+def test_steady_and_sustained_windows():
+    # 2 slots, 6 workflows of 2 calls; workflow i runs [start_i, finish_i], its first call ends halfway.
+    spans = [(0, 2), (0, 3), (2, 4), (3, 7), (4, 8), (7, 9)]
+    records = tuple(r for i, (s, f) in enumerate(spans)
+                    for r in (_record(f"wf{i}", 0, s, (s + f) / 2), _record(f"wf{i}", 1, (s + f) / 2, f)))
+    run = RunResult(6, records, slots=2)
+    assert run.tasks_per_s == 6 / 9
+    # steady: from the 2nd start (0) to the 4th finish (7): finishes 2, 3, 4, 7
+    assert run.steady_window == (0, 7) and run.tasks_per_s_steady == 4 / 7
+    # sustained: from the 2nd finish (3) to the 4th (7): calls ending in (3, 7] are wf2's second
+    # (4), wf3's two (5, 7) and wf4's first (6): 4 calls, 2 workflows' worth
+    assert run.sustained_window == (3, 7) and run.tasks_per_s_sustained == 2 / 4
+    closed = RunResult(2, records[:4], slots=2)  # every workflow at t=0: no steady state
+    assert closed.tasks_per_s_steady is None and closed.tasks_per_s_sustained is None
+    assert RunResult(4, records[:8], slots=2).tasks_per_s_sustained is None  # M = 2N: empty
+    summary = run.summary()
+    assert summary["slots"] == 2 and summary["total"] == 6 and summary["steady_window_s"] == [0, 7]
+
+
+def test_minimal_prefill_counts_each_position_once_per_pool():
+    rng = np.random.default_rng(0)
+    p0, out0, tail = rng.integers(0, 256, 40).tolist(), rng.integers(0, 256, 5).tolist(), [7, 8, 9]
+    p1 = p0 + out0 + tail  # 48 tokens: the next turn reads the first one's prompt and output
+    # The first call's prompt + output[:-1] (44 tokens) leaves 2 whole pages of 16: 32 hit.
+    after = lambda adapter, fanout=(): [  # noqa: E731
+        _record("wf0", 0, 0, 1, p0, out0, "a", 0, fanout), _record("wf0", 1, 1, 2, p1, [1, 2], adapter, 1)]
+    assert prefill_tokens_minimal(after("a"), "prefix", 16) == 40 + 16
+    assert prefill_tokens_minimal(after("b"), "prefix", 16) == 40 + 48  # another agent's copy
+    assert prefill_tokens_minimal(after("b"), "full_reuse", 16) == 40 + 16
+    assert prefill_tokens_minimal(after("b"), "forkkv", 16) == 40 + 48  # b's residual is missing
+    assert prefill_tokens_minimal(after("b", ["b"]), "forkkv", 16, fanout=True) == 40 + 16
+    assert prefill_tokens_minimal(after("b", ["b"]), "lrshared", 16) == 40 + 16
+    # Running together, the second shares the first's prompt pages, not its generated tokens.
+    together = [_record("wf0", 0, 0, 2, p0, out0, "a", 0), _record("wf1", 0, 1, 3, p1, [1], "a", 1)]
+    assert prefill_tokens_minimal(together, "prefix", 16) == 40 + 48 - 32
+    # A prompt cached but for its last token: a decode step computes that one.
+    again = [_record("wf0", 0, 0, 1, p1, [1, 2], "a", 0), _record("wf1", 0, 2, 3, p1[:33], [3], "a", 1)]
+    assert prefill_tokens_minimal(again, "prefix", 16) == 48
+    with pytest.raises(ValueError, match="token ids"):
+        prefill_tokens_minimal([RequestRecord("wf0", 0, "a", 4, 1, 0, 1)], "prefix", 16)
+
+
+# ---- the drivers --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def forkkv_engine():
+    """The engine the smoke runs below build for forkkv: they then reuse its compiled programs."""
     bench = _bench()
     args = bench.build_parser().parse_args(SMOKE)
     bench.check_args(args)
-    names = agent_names("react")
-    engine, _ = bench.build_engine(args, "forkkv", names, TINY, 1024)
+    engine, _ = bench.build_engine(args, "forkkv", agent_names("react"), TINY, 1024)
+    return engine
+
+
+def _recording(engine, monkeypatch) -> list[dict]:
+    """Record the keywords of every engine.add_request call (a server's engine thread's too)."""
+    calls, add = [], engine.add_request
+
+    def add_request(prompt, adapter, params, **kw):
+        calls.append({"prompt": list(prompt), "max_tokens": params.max_new_tokens, **kw})
+        return add(prompt, adapter, params, **kw)
+    monkeypatch.setattr(engine, "add_request", add_request)
+    return calls
+
+
+def _check_sessions(calls, source_of, hints=True):
+    """Each workflow's calls name its session; its last one ends it, with its final length."""
+    by = {}
+    for c in calls:
+        by.setdefault(c["session_id"], []).append(c)
+    for sid, cs in by.items():
+        w = source_of(int(sid[2:]))
+        assert [c["session_end"] for c in cs] == [False] * (len(cs) - 1) + [True]
+        assert len(cs[-1]["prompt"]) + cs[-1]["max_tokens"] == w.final_tokens
+        assert all(c["session_tokens"] == (w.final_tokens if hints else None) for c in cs)
+    return by
+
+
+def _check_slots(result, slots, total):
+    """No more than `slots` workflows run at once, and a finished one's slot starts the next."""
+    spans = sorted(result.spans().values())
+    assert result.workflows == len(spans) == total and result.slots == slots
+    finishes = sorted(f for _, f in spans)
+    for i, (s, _) in enumerate(spans):
+        assert sum(1 for a, b in spans if a <= s < b) <= slots
+        if i >= slots:  # started when the (i - slots + 1)-th workflow finished
+            assert 0 <= s - finishes[i - slots] < 1.0
+
+
+# ---- the in-process driver ----------------------------------------------------------------------
+
+def test_driver_runs_closed_loop_and_waits_out_tool_latencies(forkkv_engine):
+    engine, names = forkkv_engine, agent_names("react")
     workflows = make_workflows("react", 2, fixed_profile(32, 3, 2, 1), TOKENS, rounds=2, tool_latency=0.2)
     result = run_in_process(engine, workflows, progress=False)
     assert all(w.done for w in workflows) and len(result.records) == 12
@@ -151,6 +275,50 @@ def test_driver_runs_closed_loop_and_waits_out_tool_latencies():
             assert b.submit_s >= a.finish_s + 0.2
     window = result.last_finish_s - result.first_submit_s
     assert result.tasks_per_s == 2 / window and result.tokens_per_s == 36 / window
+
+
+def test_driver_refills_slots_and_ends_sessions(forkkv_engine, monkeypatch):
+    calls = _recording(forkkv_engine, monkeypatch)
+    shape = dict(rounds=2, seed=1)
+    prof = fixed_profile(24, 3, 5, 2)
+    source = workflow_source("react", 2, 5, prof, TOKENS, **shape)
+    result = run_in_process(forkkv_engine, source, progress=False)
+    _check_slots(result, 2, 5)
+    assert len(result.records) == 5 * 6 and result.tasks_per_s_steady > 0
+    a, b = result.steady_window
+    assert b == sorted(f for _, f in result.spans().values())[2]  # the (M - N)-th finish
+    make = lambda i: make_workflows("react", i + 1, prof, TOKENS, **shape)[i]  # noqa: E731
+    assert len(_check_sessions(calls, make)) == 5
+    calls.clear()  # without hints: the end still, the final length not
+    run_in_process(forkkv_engine, make_workflows("react", 1, prof, TOKENS, **shape), progress=False,
+                   session_hints=False)
+    _check_sessions(calls, make, hints=False)
+
+
+def test_http_driver_sends_the_session_fields(forkkv_engine, monkeypatch):
+    from forkjax.workflows.http_driver import request_body, run_http
+    from forkjax.workflows.local_server import LocalServer
+    prof = fixed_profile(24, 3, 5, 2)
+    for hints in (True, False):
+        w = make_workflows("react", 1, prof, TOKENS, rounds=1)[0]
+        loop = ClosedLoop([w], session_hints=hints, progress=False)
+        bodies = []
+        while not w.done:
+            (call,) = loop.ready(w, 0.0)
+            bodies.append(request_body(loop, call, fanout=True))
+            loop.complete(call, _fake_output(call.request), 0.0)
+            assert bodies[-1]["model"] == call.request.adapter and bodies[-1]["prompt"] == call.request.prompt
+            assert bodies[-1]["extra_body"]["fanout_adapters"] == list(call.request.fanout_adapters)
+        for i, body in enumerate(bodies):
+            extra = body["extra_body"]
+            assert extra["session_id"] == "wf0" and extra.get("session_end", False) == (i == len(bodies) - 1)
+            assert extra.get("session_tokens") == (w.final_tokens if hints else None)
+    calls = _recording(forkkv_engine, monkeypatch)
+    source = workflow_source("react", 2, 3, prof, TOKENS, rounds=2)
+    with LocalServer(forkkv_engine, "tiny-llama") as server:
+        result = asyncio.run(run_http(server.url, source, progress=False))
+    _check_slots(result, 2, 3)
+    _check_sessions(calls, lambda i: make_workflows("react", i + 1, prof, TOKENS, rounds=2)[i])
 
 
 # ---- the benchmark script -----------------------------------------------------------------------
@@ -165,7 +333,9 @@ SMOKE = ["--model", "tiny-llama", "--workflows", "2", "--context", "64", "--gen"
 KEYS = {"tasks_per_s", "tokens_per_s", "per_agent_kv_bytes", "base_hit_rate", "residual_hit_rate",
         "decode_batch_size_mean", "prefill_tokens_computed", "compile_s", "policy", "workflows",
         "pattern", "model", "kv_cache_bytes", "tool_latency", "rank", "device_kind", "jax_version",
-        "git_commit", "command", "wall_s", "preemptions", "latencies_s"}
+        "git_commit", "command", "wall_s", "preemptions", "latencies_s", "tasks_per_s_steady",
+        "tasks_per_s_sustained", "total", "prefill_tokens_minimal", "recompute_ratio",
+        "workflows_running_peak", "max_batch_size", "session_hints"}
 
 
 @pytest.mark.parametrize("pattern", ["react", "mapreduce"])
@@ -178,6 +348,8 @@ def test_bench_smoke_every_policy(tmp_path, pattern):
         assert KEYS <= r.keys() and r["policy"] == policy and r["workflows"] == 2 and r["pattern"] == pattern
         assert r["tasks_per_s"] > 0 and r["tokens_per_s"] > 0 and r["per_agent_kv_bytes"] > 0
         assert r["decode_batch_size_mean"] >= 1 and r["prefill_tokens_computed"] > 0
+        assert r["max_batch_size"] == 8 and r["total"] == 2 and r["session_hints"] is True
+        assert r["tasks_per_s_steady"] is None and r["workflows_running_peak"] == 2
     with open(tmp_path / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert [t["policy"] for t in table] == list(by) and len(rows) == 5
@@ -189,13 +361,29 @@ def test_bench_smoke_every_policy(tmp_path, pattern):
     assert by["prefix"]["residual_hit_rate"] == 0
 
 
+@pytest.mark.parametrize("pattern", ["react", "mapreduce"])
+def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_path, pattern):
+    # Prompts off page boundaries, slots refilled; the CPU default pool (64 MiB) holds everything.
+    # No prompt is 1 past a multiple of the 16-token chunks: a prompt chunked up to its last token
+    # leaves that one to a decode step, which prefill_tokens_computed does not count.
+    argv = [*SMOKE[:-1], "prefix,forkkv,forkkv+fanout", "--context", "45", "--gen", "5", "--obs", "3",
+            "--total", "5", "--pattern", pattern, "--out", str(tmp_path)]
+    rows = _bench().main(argv)
+    for r in rows:
+        assert r["total"] == 5 and r["preemptions"] == 0
+        assert r["prefill_tokens_computed"] == r["prefill_tokens_minimal"] > 0 and r["recompute_ratio"] == 1
+    by = {r["policy"]: r["prefill_tokens_minimal"] for r in rows}
+    assert by["forkkv+fanout"] < by["forkkv"] <= by["prefix"]
+
+
 def test_bench_single_run_over_http(tmp_path):
     bench = _bench()
     (row,) = bench.main([*SMOKE[:-2], "--policy", "forkkv", "--pattern", "react", "--http",
-                         "--out", str(tmp_path)])
+                         "--total", "3", "--out", str(tmp_path)])
     with open(tmp_path / "results.json") as f:
         r = json.load(f)
     assert KEYS - {"prefill_tokens_computed"} <= r.keys() and r["http"] is True
+    assert r["total"] == 3 and r["requests"] == 3 * 6 and r["tasks_per_s_steady"] > 0
     assert r["tasks_per_s"] > 0 and r["base_hit_rate"] > 0 and r["per_agent_kv_bytes"] > 0
     assert not (tmp_path / "summary.csv").exists()
 
@@ -208,6 +396,9 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--sweep", "1,x"], "--sweep"),
                         (["--pattern", "mapreduce", "--tool-latency", "1"], "--tool-latency"),
                         (["--residual-fraction", "1.5"], "--residual-fraction"),
+                        (["--sweep", "2,4", "--total", "3"], "--total"),
+                        (["--total", "many"], "--total"),
+                        (["--replay", "--http"], "--replay"),
                         (["--model", "no-such-model"], "--model")):
         with pytest.raises(ValueError, match=match):
             bench.main(["--model", "tiny-llama", *argv, "--out", str(tmp_path)])

@@ -110,11 +110,15 @@ class Admission:
         return self.cache.match_lengths(seq.tokens, seq.adapter_key, list(seq.fanout.values()))
 
     def order(self, waiting) -> list[Sequence]:
-        """Waiting requests in the order admission tries them."""
-        urgent, rest = [], []
+        """Waiting requests in the order admission tries them: the urgent ones, the others that
+        may go in now (lpm: by reuse), then those of workflows not admitted yet (by arrival)."""
+        urgent, rest, gated = [], [], []
         for seq in waiting:
+            session = self.sessions.of(seq)
             if self.is_urgent(seq):
                 urgent.append(seq)
+            elif session is not None and not session.admitted:
+                gated.append(seq)
             elif self.policy == "fifo":
                 rest.append((seq.arrival, seq.id, seq))
             else:
@@ -123,7 +127,8 @@ class Admission:
                          for i, n in enumerate(lens)]
                 rest.append((-min(reuse), -reuse[0], seq.arrival, seq.id, seq))
         rest.sort(key=lambda t: t[:-1])
-        return sorted(urgent, key=lambda s: (s.arrival, s.id)) + [t[-1] for t in rest]
+        by_arrival = lambda s: (s.arrival, s.id)  # noqa: E731
+        return sorted(urgent, key=by_arrival) + [t[-1] for t in rest] + sorted(gated, key=by_arrival)
 
     def is_urgent(self, seq: Sequence) -> bool:
         return self.clock() - seq.arrival >= self.max_wait_s
@@ -147,15 +152,15 @@ class Admission:
         list). When none fits, the oldest blocked one may take held pages."""
         if not waiting or len(running) >= max_batch_size:
             return
-        room, blocked = None, []
+        room, blocked, gate = None, [], self.sessions.gate()
         for seq in self.order(waiting):
             if len(running) >= max_batch_size:
                 return
             session = self.sessions.of(seq)
             if session is not None and not session.admitted:
-                if not (self.is_urgent(seq) or self.sessions.fits(session)):
+                if not (self.is_urgent(seq) or gate.fits(session)):
                     continue  # its workflow waits until the admitted ones leave room
-                session.admitted = True
+                gate.admit(session)
             need = self.need(seq)
             if running:
                 if room is None:

@@ -164,34 +164,9 @@ class Sessions:
                 self.num_agents() if policy.residual == "per_adapter" else 1)
         return self.num_agents() if policy.base_per_adapter else 1
 
-    def fits(self, s: Session) -> bool:
-        """Whether session `s`'s projection fits in each pool beside the admitted sessions'.
-        To fit, it may take the reservations of sessions idle for longer than the longest
-        recent wait between two requests of one session (longest idle first), which are then
-        suspended."""
-        admitted = [x for x in self.by_id.values() if x.admitted and x is not s]
-        if not admitted:
-            return True  # alone, it runs however large: nothing else is reserved
-        want = self.projection(s)
-        reserved = [list(self.projection(x)) for x in admitted]
-        total = [sum(r[i] for r in reserved) for i in range(len(POOLS))]
-
-        def over() -> bool:
-            return any(want[i] and total[i] + want[i] > cap for i, cap in enumerate(self.capacity))
-
-        if not over():
-            return True
-        now, takeable = self.clock(), []
-        for x in self.idle():
-            if x.admitted and now - x.idle_since > self.longest_gap:
-                takeable.append(x)
-                for i, r in enumerate(self.projection(x)):
-                    total[i] -= r
-                if not over() or len(takeable) == len(admitted):
-                    for x in takeable:
-                        self.suspend(x)
-                    return True
-        return False
+    def gate(self) -> Gate:
+        """The reservations as one admission pass sees them."""
+        return Gate(self)
 
     def suspend(self, s: Session) -> None:
         """Take session `s`'s pages: its holds drop and its next request is admitted anew."""
@@ -218,3 +193,56 @@ class Sessions:
         for hold in s.holds.values():
             hold.release()
         s.holds.clear()
+
+
+class Gate:
+    """One admission pass's view of the reservations: the admitted sessions' projections, summed
+    once, grown as the pass admits more."""
+
+    def __init__(self, sessions: Sessions):
+        self.sessions = sessions
+        self.admitted = [x for x in sessions.by_id.values() if x.admitted]
+        self.total = [0.0] * len(POOLS)
+        for x in self.admitted:
+            self._add(x, 1)
+        self.refused: set[int] = set()  # ids of the sessions that did not fit in this pass
+
+    def _add(self, s: Session, sign: int) -> None:
+        for i, pages in enumerate(self.sessions.projection(s)):
+            self.total[i] += sign * pages
+
+    def _over(self, want) -> bool:
+        return any(want[i] and self.total[i] + want[i] > cap
+                   for i, cap in enumerate(self.sessions.capacity))
+
+    def fits(self, s: Session) -> bool:
+        """Whether session `s`'s projection fits in each pool beside the admitted sessions'.
+        To fit, it may take the reservations of sessions idle for longer than the longest
+        recent wait between two requests of one session (longest idle first), which are then
+        suspended."""
+        if not self.admitted:
+            return True  # alone, it runs however large: nothing else is reserved
+        if id(s) in self.refused:
+            return False
+        want = self.sessions.projection(s)
+        if not self._over(want):
+            return True
+        now, takeable = self.sessions.clock(), []
+        for x in self.sessions.idle():
+            if x.admitted and now - x.idle_since > self.sessions.longest_gap:
+                takeable.append(x)
+                self._add(x, -1)
+                if not self._over(want) or len(takeable) == len(self.admitted):
+                    for x in takeable:
+                        self.sessions.suspend(x)
+                        self.admitted.remove(x)
+                    return True
+        for x in takeable:
+            self._add(x, 1)
+        self.refused.add(id(s))
+        return False
+
+    def admit(self, s: Session) -> None:
+        s.admitted = True
+        self.admitted.append(s)
+        self._add(s, 1)

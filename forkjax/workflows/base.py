@@ -4,7 +4,10 @@ outputs. ReAct and MapReduce implement it; the in-process driver (`driver.py`) a
 
 A driver loops: submit everything `pop_ready(now)` hands out, and when a call finishes, give its
 tokens to `complete(request, output, now)`; when nothing runs, sleep until `next_ready_at()`.
-Times are seconds since the run started (every workflow starts at t=0, closed loop).
+Times are seconds since the run started; a workflow's first call is ready as soon as a driver's
+slot starts it (loop.py). A workflow's shape (every length) is drawn when it is built, so
+`final_tokens`, the tokens it holds at its end, is known before it runs, and the request that
+ends it says so (`TurnRequest.last`): the drivers pass both to the engine's session.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class TurnRequest:
     prompt: list[int]                 # [prompt_len] token ids
     max_tokens: int                   # tokens to generate (ignore_eos: exactly this many)
     fanout_adapters: tuple[str, ...]  # agents that read this prompt's prefix later
+    last: bool = False                # the workflow's last call: it ends when this one finishes
 
 
 class Workflow(abc.ABC):
@@ -41,6 +45,12 @@ class Workflow(abc.ABC):
     @property
     def done(self) -> bool:
         return self.turns_done == self.num_turns
+
+    @property
+    @abc.abstractmethod
+    def final_tokens(self) -> int:
+        """Prompt and generation tokens of the workflow's longest call (ReAct's and MapReduce's
+        last): what it holds at its end, known from its shape before it runs."""
 
     @abc.abstractmethod
     def pop_ready(self, now: float) -> list[TurnRequest]:

@@ -1,11 +1,12 @@
 """The same workflows against a running `python -m forkjax.serve`, over HTTP.
 
-One asyncio task per workflow, all started at t=0 (closed loop), each submitting its ready calls
-through the official `openai` client (`AsyncOpenAI`) and handing the answers back to the
-workflow, exactly as `driver.py` does in process. A call is `/v1/completions` with the prompt as
-token ids, the agent's adapter as `model`, greedy, EOS ignored, and the server's extensions
-(`return_token_ids`: the answer carries `choices[0].token_ids`, which the next turns read;
-`session_id`; `fanout_adapters`).
+One asyncio task per slot of the closed loop (loop.py), all started at t=0, each running its
+workflow's calls through the official `openai` client (`AsyncOpenAI`) and handing the answers
+back to the workflow, exactly as `driver.py` does in process, then the next workflow the slot
+starts. A call is `/v1/completions` with the prompt as token ids, the agent's adapter as
+`model`, greedy, EOS ignored, and the server's extensions (`return_token_ids`: the answer carries
+`choices[0].token_ids`, which the next turns read; the session fields `session_id`,
+`session_end`, `session_tokens`; `fanout_adapters`) in the body (`extra_body`).
 
 Engine statistics come from the server's Prometheus `/metrics`: `scrape` reads it, and
 `stats_between` turns two scrapes into the keys `Engine.stats()` has (counters as differences).
@@ -19,61 +20,65 @@ import time
 
 import httpx
 from openai import AsyncOpenAI
-from tqdm.auto import tqdm
 
-from forkjax.workflows.base import TurnRequest, Workflow
-from forkjax.workflows.results import RequestRecord, RunResult
+from forkjax.workflows.base import Workflow
+from forkjax.workflows.loop import Call, ClosedLoop
+from forkjax.workflows.results import RunResult
 
 _SAMPLE = re.compile(r"^forkjax:(\w+)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-async def run_http(base_url: str, workflows: list[Workflow], *, fanout: bool = False,
+async def run_http(base_url: str, workflows, *, fanout: bool = False, session_hints: bool = True,
                    api_key: str = "EMPTY", progress: bool = True, desc: str = "turns",
                    timeout_s: float = 3600.0) -> RunResult:
-    """Run `workflows` against the server at `base_url` (e.g. http://127.0.0.1:8000, no /v1)."""
-    t0 = time.perf_counter()
-    clock = lambda: time.perf_counter() - t0  # noqa: E731
-    records: list[RequestRecord] = []
+    """Run `workflows` (a list, all at t=0, or a loop.WorkflowSource of N slots) against the
+    server at `base_url` (e.g. http://127.0.0.1:8000, no /v1); `fanout` and `session_hints` as
+    in `driver.run_in_process`."""
     # No retries: a retried call would be timed twice and hide a server error.
     client = AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
                          timeout=timeout_s)
-    with tqdm(total=sum(w.num_turns for w in workflows), desc=desc, unit="turn",
-              disable=not progress, leave=False) as bar:
-        async def run_one(w: Workflow):
-            pending: dict[asyncio.Task, tuple[TurnRequest, float]] = {}
-            while not w.done:
-                now = clock()
-                for req in w.pop_ready(now):
-                    pending[asyncio.create_task(_complete(client, req, fanout))] = (req, now)
+    with ClosedLoop(workflows, session_hints=session_hints, progress=progress, desc=desc,
+                    clock=time.perf_counter) as loop:
+        async def run_slot(w: Workflow | None):
+            pending: dict[asyncio.Task, Call] = {}
+            while w is not None:
+                for call in loop.ready(w, loop.now()):
+                    pending[asyncio.create_task(_complete(client, request_body(loop, call, fanout)))] = call
                 wake = w.next_ready_at()
                 if not pending:
                     if wake is None:
                         raise RuntimeError(f"{w.session_id} waits on nothing")
-                    await asyncio.sleep(max(0.0, wake - clock()))
+                    await asyncio.sleep(max(0.0, wake - loop.now()))
                     continue
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
-                                             timeout=None if wake is None else max(0.0, wake - clock()))
+                                             timeout=None if wake is None else max(0.0, wake - loop.now()))
+                nxt = w
                 for task in done:
-                    req, submit_s = pending.pop(task)
-                    output = task.result()
-                    now = clock()
-                    w.complete(req, output, now)
-                    records.append(RequestRecord(req.session_id, req.turn, req.adapter, len(req.prompt),
-                                                 len(output), submit_s, now))
-                    bar.update()
+                    call = pending.pop(task)
+                    after = loop.complete(call, task.result(), loop.now())
+                    if call.workflow.done:
+                        nxt = after
+                w = nxt
 
         async with client:
-            await asyncio.gather(*(run_one(w) for w in workflows))
-    return RunResult(len(workflows), tuple(records))
+            await asyncio.gather(*(run_slot(w) for w in loop.first()))
+        return loop.result()
 
 
-async def _complete(client: AsyncOpenAI, req: TurnRequest, fanout: bool) -> list[int]:
-    extra = {"ignore_eos": True, "return_token_ids": True, "session_id": req.session_id}
+def request_body(loop: ClosedLoop, call: Call, fanout: bool) -> dict:
+    """The /v1/completions arguments of `call` (`extra_body`: forkjax's and vLLM's fields)."""
+    req = call.request
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    extra.update({k: v for k, v in loop.fields(call).items() if v is not None and v is not False})
     if fanout:  # [] for none: an absent list means the server's default (every adapter)
         extra["fanout_adapters"] = list(req.fanout_adapters)
-    resp = await client.completions.create(model=req.adapter, prompt=req.prompt, max_tokens=req.max_tokens,
-                                           temperature=0, extra_body=extra)
+    return dict(model=req.adapter, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0,
+                extra_body=extra)
+
+
+async def _complete(client: AsyncOpenAI, body: dict) -> list[int]:
+    resp = await client.completions.create(**body)
     ids = resp.choices[0].model_extra.get("token_ids")
     if ids is None:
         raise RuntimeError("the server's answer has no choices[0].token_ids (return_token_ids)")
@@ -103,6 +108,7 @@ _COUNTERS = {"prompt_tokens": "prompt_tokens_total",
              "generation_tokens": "generation_tokens_total",
              "preemptions": "num_preemptions_total"}
 _GAUGES = {"decode_batch_size_mean": "decode_batch_size_mean",
+           "workflows_running_peak": "workflows_running_peak",
            "base_bytes_used": "kv_bytes_used{pool=base}",
            "residual_bytes_used": "kv_bytes_used{pool=residual}"}
 

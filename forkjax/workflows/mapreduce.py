@@ -43,6 +43,13 @@ class MapReduceWorkflow(Workflow):
         p = profile
         return p.context.upper + (num_mappers + 1) * p.gen.upper + p.instruction.upper
 
+    @property
+    def final_tokens(self) -> int:
+        """The reduce call's prompt and generation (or a map call's, were one longer)."""
+        m, doc = len(self.mappers), len(self.document)
+        maps = (doc + len(self.instructions[i]) + self.gens[i] for i in range(m))
+        return max(doc + sum(self.gens[:m]) + len(self.instructions[m]) + self.gens[m], *maps)
+
     def pop_ready(self, now: float) -> list[TurnRequest]:
         m = len(self.mappers)
         if self._issued == 0:
@@ -53,7 +60,7 @@ class MapReduceWorkflow(Workflow):
         if self._issued == m and self.turns_done == m:
             self._issued += 1
             prompt = self.document + [t for out in self.outputs for t in out] + self.instructions[m]
-            return [TurnRequest(self.session_id, m, self.reducer, prompt, self.gens[m], ())]
+            return [TurnRequest(self.session_id, m, self.reducer, prompt, self.gens[m], (), last=True)]
         return []
 
     def complete(self, request: TurnRequest, output: list[int], now: float) -> None:

@@ -16,9 +16,15 @@ gen_k tokens; its tool observation (obs_k random tokens) arrives `tool_latency` 
 finishes, and turn k+1 becomes ready then. The last turn's action needs no observation: the
 workflow ends when its last generation does.
 
-Lengths [tokens]: context, cue (one per agent, drawn once), gen_k and obs_k are drawn from the
-profile in turn order with the workflow's own Generator, so a workflow's shape depends only on
-its seed, never on timing or on what the model generated.
+Lengths [tokens]: context, cue (one per agent), then gen_k for every turn and obs_k for every turn
+but the last are drawn from the profile at construction with the workflow's own Generator, so a
+workflow's shape depends only on its seed, never on timing or on what the model generated, and
+its final length is known before it runs:
+
+    final_tokens = context + sum_k (cue_{a_k} + gen_k) + sum_{k < last} obs_k
+
+(the last turn's prompt and generation). The observation tokens are drawn with the same
+Generator when each turn finishes, in turn order.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class ReActWorkflow(Workflow):
         self.profile, self.tokens, self.rng, self.tool_latency = profile, tokens, rng, tool_latency
         self.context = tokens.draw(rng, profile.context.sample(rng))             # [context]
         self.cues = {a: tokens.draw(rng, profile.instruction.sample(rng)) for a in agents}
+        self.gens = [profile.gen.sample(rng) for _ in range(self.num_turns)]       # [num_turns]
+        self.obs = [profile.obs.sample(rng) for _ in range(self.num_turns - 1)]    # [num_turns - 1]
         self.history: list[int] = []                                       # [sum(cue+gen+obs)]
         self._ready_at = 0.0
         self._in_flight = False
@@ -56,6 +64,11 @@ class ReActWorkflow(Workflow):
                                                                + p.obs.upper)
                 + p.instruction.upper + p.gen.upper)
 
+    @property
+    def final_tokens(self) -> int:
+        cues = sum(len(self.cues[self.agents[k % len(self.agents)]]) for k in range(self.num_turns))
+        return len(self.context) + cues + sum(self.gens) + sum(self.obs)
+
     def pop_ready(self, now: float) -> list[TurnRequest]:
         if self.done or self._in_flight or now < self._ready_at:
             return []
@@ -64,8 +77,8 @@ class ReActWorkflow(Workflow):
         last = k == self.num_turns - 1
         self._in_flight = True
         return [TurnRequest(self.session_id, k, agent, self.context + self.history + self.cues[agent],
-                            self.profile.gen.sample(self.rng),
-                            () if last else tuple(a for a in self.agents if a != agent))]
+                            self.gens[k], () if last else tuple(a for a in self.agents if a != agent),
+                            last)]
 
     def complete(self, request: TurnRequest, output: list[int], now: float) -> None:
         if not self._in_flight or request.turn != self.turns_done:
@@ -74,7 +87,7 @@ class ReActWorkflow(Workflow):
         self.turns_done += 1
         self.history += self.cues[request.adapter] + output
         if not self.done:
-            self.history += self.tokens.draw(self.rng, self.profile.obs.sample(self.rng))
+            self.history += self.tokens.draw(self.rng, self.obs[request.turn])
             self._ready_at = now + self.tool_latency
 
     def next_ready_at(self) -> float | None:
