@@ -12,11 +12,13 @@
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
 #   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
 #   kvw     K/V write kernel tests (fan-out rows included)          kvw_tests.log      ~1 min
-#   react   bench_workflows.py ReAct headline (3 agents x 4 rounds, react/, react.log   ~2-4 min
+#   react   bench_workflows.py ReAct headline (3 agents x 4 rounds, react/, react.log   ~3-5 min
 #           4k context, 64 + 64 tokens a turn), policies $WF_POLICIES             a policy
-#           (default: all five), workflow counts $WF_COUNTS (4,16,32)
+#           (default: all five), workflow slots $WF_COUNTS (4,16,32), workflows in all
+#           $WF_TOTAL (3x: three times the slots, a steady state)
 #   mapreduce  bench_workflows.py MapReduce headline (4 mappers +   mapreduce/, ...    ~2-4 min
-#           reducer, 4k document, 64 tokens), $WF_POLICIES, 16 workflows          a policy
+#           reducer, 4k document, 64 tokens), $WF_POLICIES, $WF_COUNTS (16),       a policy
+#           $WF_TOTAL
 #
 # Workflow results record $FORKJAX_COMMIT (pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -67,9 +69,11 @@ PY
         run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
     react | mapreduce)
         policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
-        [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" || shape="--workflows 16"
+        [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" \
+            || shape="--sweep ${WF_COUNTS:-16}"
         timeout 580 python3 scripts/bench_workflows.py --pattern "$stage" $shape --context 4096 \
-            --gen 64 --policy "$policies" --out "$OUT/$stage" > "$OUT/$stage.log" 2>&1
+            --gen 64 --total "${WF_TOTAL:-3x}" --policy "$policies" --out "$OUT/$stage" \
+            > "$OUT/$stage.log" 2>&1
         echo "bench_workflows $stage: rc=$?"
         tr '\r' '\n' < "$OUT/$stage.log" | grep -E "^$stage|Error" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -402,3 +402,25 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--model", "no-such-model"], "--model")):
         with pytest.raises(ValueError, match=match):
             bench.main(["--model", "tiny-llama", *argv, "--out", str(tmp_path)])
+
+
+# The old scheduler at these two points (admission by a workflow's current turn, finished
+# workflows' pages held for 30 s): (decode batch, prefill tokens computed) at 6 workflows.
+BEFORE_AT_6 = {"full_reuse": (5.5, 8_544), "forkkv": (2.7, 31_472)}
+
+
+@pytest.mark.parametrize("policy", sorted(BEFORE_AT_6))
+def test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch(tmp_path, policy):
+    """ReAct on the real engine (tiny-llama) in a pool that holds ~8 final histories (full_reuse;
+    4-5 under forkkv, whose agents keep residuals too): at 12 workflows the engine runs as many
+    at once as at 6 and computes each workflow's prompts about once, instead of collapsing to
+    fewer workflows whose pages evict each other."""
+    rows = _bench().main(["--model", "tiny-llama", "--pattern", "react", "--sweep", "6,12",
+                          "--policy", policy, "--kv-cache-bytes", "12.2e6", "--context", "1024",
+                          "--gen", "16", "--obs", "16", "--no-warmup", "--out", str(tmp_path)])
+    at = {r["workflows"]: r for r in rows}
+    batch, prefill = BEFORE_AT_6[policy]
+    assert at[6]["decode_batch_size_mean"] >= 0.98 * batch and at[6]["prefill_tokens_computed"] <= prefill
+    assert at[12]["decode_batch_size_mean"] >= 0.9 * at[6]["decode_batch_size_mean"]
+    assert at[12]["prefill_tokens_computed"] <= 1.1 * 2 * at[6]["prefill_tokens_computed"]
+    assert all(r["recompute_ratio"] <= 1.10 for r in rows), [r["recompute_ratio"] for r in rows]
