@@ -1,5 +1,6 @@
 import functools
 import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -27,6 +28,15 @@ os.environ.setdefault("PJRT_NPROC", "16")
 # Executions run on their caller's thread rather than queue on that pool: the interpreted Mosaic
 # GPU tests run in half the time.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def bench_workflows():
+    """scripts/bench_workflows.py as a module (scripts are not a package)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_workflows.py")
+    spec = importlib.util.spec_from_file_location("bench_workflows", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # Engines in tests compile lazily (warm-up compiles every bucket: minutes on 2 CPU cores) and

@@ -111,23 +111,24 @@ def test_an_idle_sessions_holds_are_taken_before_a_live_workflows():
     assert engine.stats()["workflows_suspended"] == 1
 
 
-@pytest.mark.parametrize("max_wait_s,admitted_while_a_runs", [(1e9, False), (0.0, True)])
-def test_a_workflow_waits_at_the_gate_at_most_max_wait_s(max_wait_s, admitted_while_a_runs):
-    """Workflow b's projection (its hint) does not fit beside a's: b waits while a runs, unless
-    it has waited max_wait_s."""
-    engine = _engine(kv_cache_bytes=40 * PAGE_BYTES, max_wait_s=max_wait_s)
+@pytest.mark.parametrize("max_wait_s,first", [(1e9, "c"), (0.0, "b")])
+def test_an_urgent_workflow_is_not_overtaken_at_the_gate(max_wait_s, first):
+    """Workflow b's projection (25 pages, its hint) does not fit beside a's (19) in 39 pages,
+    c's (7) does: c overtakes b at the gate, unless b has waited max_wait_s; then c waits
+    behind it and b goes in when a ends."""
+    engine = _engine(adapters={"a0": ADAPTERS["a0"]}, kv_cache_bytes=40 * PAGE_BYTES,
+                     max_wait_s=max_wait_s)  # one agent: a workflow keeps one path
     long = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    a = engine.add_request(_prompt(1, 100), "a0", long, session_id="a", session_tokens=400)
+    a = engine.add_request(_prompt(1, 100), "a0", long, session_id="a", session_tokens=300)
     engine.step()
     b = engine.add_request(_prompt(2, 100), "a0", long, session_id="b", session_tokens=400)
-    seen = set()
-    while a.status is not Status.FINISHED:
-        engine.step()
-        seen.add(b.status)
-    assert (Status.RUNNING in seen or b.status is Status.FINISHED) == admitted_while_a_runs
+    c = engine.add_request(_prompt(3, 40), "a0", long, session_id="c", session_tokens=100)
+    order = []
     while engine.scheduler.has_work:
         engine.step()
-    assert a.error is None and b.error is None
+        order += [n for n, s in (("b", b), ("c", c)) if s.status is not Status.WAITING and n not in order]
+    assert order[0] == first
+    assert all(s.error is None for s in (a, b, c))
 
 
 def test_a_wrong_projection_suspends_the_youngest_workflow_and_outputs_stay_exact():

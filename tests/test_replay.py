@@ -2,31 +2,21 @@
 they come from, it runs on virtual time, and at Llama-3.1-8B's geometry (16 GB of K/V, max batch
 64) 32 ReAct workflows keep at least the throughput of 16 under every cache policy."""
 
-import importlib.util
-import os
 import time
 
 import pytest
 
+from conftest import bench_workflows
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import TokenSampler, agent_names, fixed_profile, make_workflows
 from forkjax.workflows.driver import run_in_process
 from forkjax.workflows.replay import DECODE_ROWS, DECODE_TOKENS, PREFILL, ReplayEngine
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "llama3.1-8b-random"
 TOKENS = TokenSampler.for_model(ModelConfig.from_hf(BUILTIN_CONFIGS[MODEL]))
 REACT = ["--replay", "--model", MODEL, "--pattern", "react", "--context", "4096", "--gen", "64",
          "--obs", "64"]
-
-
-def _bench():
-    path = os.path.join(REPO, "scripts", "bench_workflows.py")
-    spec = importlib.util.spec_from_file_location("bench_workflows", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Batch:
@@ -65,7 +55,7 @@ def test_replay_runs_on_virtual_time():
 
 @pytest.mark.parametrize("policy", ["prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout"])
 def test_replay_32_workflows_are_no_slower_than_16(tmp_path, policy):
-    rows = _bench().main([*REACT, "--sweep", "16,32", "--total", "3x", "--policy", policy,
+    rows = bench_workflows().main([*REACT, "--sweep", "16,32", "--total", "3x", "--policy", policy,
                           "--out", str(tmp_path)])
     by = {r["workflows"]: r for r in rows}
     for r in rows:
@@ -76,3 +66,16 @@ def test_replay_32_workflows_are_no_slower_than_16(tmp_path, policy):
     # moves little, unlike the steady window's whole-workflow count.
     assert by[32]["tasks_per_s_sustained"] >= 0.95 * by[16]["tasks_per_s_sustained"], \
         {n: (r["tasks_per_s_sustained"], r["tasks_per_s_steady"], r["tasks_per_s"]) for n, r in by.items()}
+
+
+def test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s(tmp_path):
+    """Under `prefix` 7 of 64 workflows fit: the others wait at the gate for longer than
+    max_wait_s (60 s) and, urgent, still go in only as admitted ones end, so 64 slots run as
+    fast as 32 and nothing is computed twice."""
+    rows = bench_workflows().main([*REACT, "--sweep", "32,64", "--total", "3x", "--policy", "prefix",
+                                   "--out", str(tmp_path)])
+    by = {r["workflows"]: r for r in rows}
+    assert max(by[64]["latencies_s"]) > 60  # urgent requests at the gate
+    assert by[64]["workflows_running_peak"] == by[32]["workflows_running_peak"]
+    assert by[64]["recompute_ratio"] <= 1.001
+    assert by[64]["tasks_per_s_sustained"] >= 0.95 * by[32]["tasks_per_s_sustained"]

@@ -4,13 +4,12 @@ replay, and smoke runs of scripts/bench_workflows.py for every policy."""
 
 import asyncio
 import csv
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
+from conftest import bench_workflows
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ReActWorkflow, RequestRecord,
@@ -22,15 +21,6 @@ from forkjax.workflows.minimal import prefill_tokens_minimal
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
 TOKENS = TokenSampler.for_model(TINY)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench():
-    path = os.path.join(REPO, "scripts", "bench_workflows.py")
-    spec = importlib.util.spec_from_file_location("bench_workflows", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _fake_output(req):
@@ -218,7 +208,7 @@ def test_minimal_prefill_counts_each_position_once_per_pool():
 @pytest.fixture(scope="module")
 def forkkv_engine():
     """The engine the smoke runs below build for forkkv: they then reuse its compiled programs."""
-    bench = _bench()
+    bench = bench_workflows()
     args = bench.build_parser().parse_args(SMOKE)
     bench.check_args(args)
     engine, _ = bench.build_engine(args, "forkkv", agent_names("react"), TINY, 1024)
@@ -340,7 +330,7 @@ KEYS = {"tasks_per_s", "tokens_per_s", "per_agent_kv_bytes", "base_hit_rate", "r
 
 @pytest.mark.parametrize("pattern", ["react", "mapreduce"])
 def test_bench_smoke_every_policy(tmp_path, pattern):
-    rows = _bench().main([*SMOKE, "--pattern", pattern, "--out", str(tmp_path)])
+    rows = bench_workflows().main([*SMOKE, "--pattern", pattern, "--out", str(tmp_path)])
     by = {}
     for policy in ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout"):
         with open(tmp_path / f"{policy.replace('+', '-')}-2" / "results.json") as f:
@@ -368,7 +358,7 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
     # leaves that one to a decode step, which prefill_tokens_computed does not count.
     argv = [*SMOKE[:-1], "prefix,forkkv,forkkv+fanout", "--context", "45", "--gen", "5", "--obs", "3",
             "--total", "5", "--pattern", pattern, "--out", str(tmp_path)]
-    rows = _bench().main(argv)
+    rows = bench_workflows().main(argv)
     for r in rows:
         assert r["total"] == 5 and r["preemptions"] == 0
         assert r["prefill_tokens_computed"] == r["prefill_tokens_minimal"] > 0 and r["recompute_ratio"] == 1
@@ -377,7 +367,7 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
 
 
 def test_bench_single_run_over_http(tmp_path):
-    bench = _bench()
+    bench = bench_workflows()
     (row,) = bench.main([*SMOKE[:-2], "--policy", "forkkv", "--pattern", "react", "--http",
                          "--total", "3", "--out", str(tmp_path)])
     with open(tmp_path / "results.json") as f:
@@ -389,7 +379,7 @@ def test_bench_single_run_over_http(tmp_path):
 
 
 def test_bench_refuses_bad_flags(tmp_path):
-    bench = _bench()
+    bench = bench_workflows()
     for argv, match in ((["--policy", "forkkv,nope"], "--policy"),
                         (["--policy", "prefix", "--residual-fanout"], "--residual-fanout"),
                         (["--profile", "loogle", "--context", "100"], "--context"),
@@ -415,7 +405,7 @@ def test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch(tmp_path, 
     4-5 under forkkv, whose agents keep residuals too): at 12 workflows the engine runs as many
     at once as at 6 and computes each workflow's prompts about once, instead of collapsing to
     fewer workflows whose pages evict each other."""
-    rows = _bench().main(["--model", "tiny-llama", "--pattern", "react", "--sweep", "6,12",
+    rows = bench_workflows().main(["--model", "tiny-llama", "--pattern", "react", "--sweep", "6,12",
                           "--policy", policy, "--kv-cache-bytes", "12.2e6", "--context", "1024",
                           "--gen", "16", "--obs", "16", "--no-warmup", "--out", str(tmp_path)])
     at = {r["workflows"]: r for r in rows}

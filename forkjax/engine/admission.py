@@ -24,10 +24,12 @@
   waiting requests, youngest first. A session whose holds are taken is suspended whole (it is
   recomputed when it comes back through the gate) rather than losing the tails of several.
 * Starvation: a request that has waited `max_wait_s` becomes urgent. Urgent requests go first,
-  in arrival order, past the workflow gate, and one that does not fit stops admission until it
-  does. So no request waits longer than `max_wait_s` plus the time the requests running then
-  take to finish; a workflow let in that way may push the reservations past the pools, which
-  only holds back further workflows until enough end.
+  in arrival order, and one that does not fit stops admission until it does; one whose workflow
+  does not fit at the gate closes the gate to younger workflows (admitted ones go on, and make
+  room as they end). So no request waits longer than `max_wait_s` plus the time the requests
+  (or workflows) admitted then take to finish. The gate is never bypassed: in a closed loop of
+  more workflows than fit, new ones wait longer than `max_wait_s` by design, and letting them
+  in would only make the admitted ones evict each other.
 
 With nothing running, a candidate that fits in the whole pool is always admitted: holds never
 deadlock the engine.
@@ -153,12 +155,14 @@ class Admission:
         if not waiting or len(running) >= max_batch_size:
             return
         room, blocked, gate = None, [], self.sessions.gate()
+        gate_closed = False  # an urgent workflow waits at the gate: no younger one overtakes it
         for seq in self.order(waiting):
             if len(running) >= max_batch_size:
                 return
             session = self.sessions.of(seq)
             if session is not None and not session.admitted:
-                if not (self.is_urgent(seq) or gate.fits(session)):
+                if gate_closed or not gate.fits(session):
+                    gate_closed |= self.is_urgent(seq)
                     continue  # its workflow waits until the admitted ones leave room
                 gate.admit(session)
             need = self.need(seq)
