@@ -49,6 +49,8 @@ class Session:
     tokens: int = 0  # longest request so far: prompt + max_new_tokens
     # (pool, namespace) -> the longest request's tokens there: the paths it keeps
     paths: dict = dataclasses.field(default_factory=dict)
+    version: int = 0  # changes with tokens_hint, tokens and paths
+    projected: tuple | None = None  # (what it was computed from, the projection)
 
     def pages(self, page_size: int) -> tuple[int, int]:
         """(base, residual) pages of its paths at their longest."""
@@ -72,6 +74,7 @@ class Sessions:
         # ended sessions: (final tokens, paths in the base pool, paths in the residual pool)
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self._learned: tuple[float, list[float]] | None = None  # their means
+        self._learned_version = 0
         # Seconds between a session's request ending and its next one (tool calls): an idle
         # session that has waited longer than any of the last ones probably ended unsaid.
         self.gaps: collections.deque = collections.deque(maxlen=HISTORY)
@@ -90,6 +93,7 @@ class Sessions:
         if seq.session_tokens is not None:
             s.tokens_hint = max(s.tokens_hint or 0, seq.session_tokens)
         s.live += 1
+        s.version += 1
         if s.idle_since is not None:
             self.gaps.append(self.clock() - s.idle_since)
             self.longest_gap = max(self.gaps)
@@ -138,6 +142,7 @@ class Sessions:
             S = self.cache.page_size
             per_path = -(-s.tokens // S)
             self.history.append((s.tokens, *(p / per_path for p in s.pages(S))))
+            self._learned_version += 1
             n = len(self.history)
             self._learned = (sum(h[0] for h in self.history) / n,
                              [sum(h[i] for h in self.history) / n for i in (1, 2)])
@@ -146,6 +151,12 @@ class Sessions:
 
     def projection(self, s: Session) -> tuple[float, float]:
         """(base, residual) pages session `s` is expected to hold at its end."""
+        key = (s.version, self._learned_version, self.num_agents())
+        if s.projected is None or s.projected[0] != key:  # admission asks every step
+            s.projected = key, self._project(s)
+        return s.projected[1]
+
+    def _project(self, s: Session) -> tuple[float, float]:
         S = self.cache.page_size
         seen = [len({ns for pool, ns in s.paths if pool == p}) for p in POOLS]
         if self._learned is not None:
