@@ -58,7 +58,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.inflight = InflightPages(cache.page_size)
-        self.sessions = Sessions(cache, hold=True, ttl_s=session_ttl_s, clock=clock,
+        self.sessions = Sessions(cache, ttl_s=session_ttl_s, clock=clock,
                                  max_tokens=max_model_len, num_agents=num_agents)
         self.admission = Admission(cache, self.inflight, self.sessions, schedule_policy,
                                    max_wait_s, clock)

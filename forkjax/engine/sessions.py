@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 from forkjax.cache import DualRadixCache, PrefixHold
 
@@ -61,13 +61,13 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, cache: DualRadixCache, *, hold: bool, ttl_s: float = SESSION_TTL_S,
+    def __init__(self, cache: DualRadixCache, *, ttl_s: float = SESSION_TTL_S,
                  clock: Callable[[], float] = time.monotonic, max_tokens: int = 0,
                  num_agents: Callable[[], int] | None = None):
         """`max_tokens`: the longest request the engine takes, the final length projected when
         nothing else is known; `num_agents()`: adapters loaded, the paths projected in a pool
         that keeps one per adapter before any session has ended."""
-        self.cache, self.hold, self.ttl_s, self.clock = cache, hold, ttl_s, clock
+        self.cache, self.ttl_s, self.clock = cache, ttl_s, clock
         self.max_tokens = max_tokens
         self.num_agents = num_agents or (lambda: 1)
         self.by_id: dict[str, Session] = {}
@@ -114,7 +114,7 @@ class Sessions:
             return
         s.live -= 1
         s.ending |= seq.session_end
-        if tokens is not None and self.hold and s.admitted and not s.ending:
+        if tokens is not None and s.admitted and not s.ending:
             old = s.holds.pop(seq.adapter_key, None)
             if old is not None:
                 old.release()
@@ -216,7 +216,7 @@ class Gate:
         self.total = [0.0] * len(POOLS)
         for x in self.admitted:
             self._add(x, 1)
-        self.refused: set[int] = set()  # ids of the sessions that did not fit in this pass
+        self.refused: set[Session] = set()  # sessions that did not fit in this pass
 
     def _add(self, s: Session, sign: int) -> None:
         for i, pages in enumerate(self.sessions.projection(s)):
@@ -233,7 +233,7 @@ class Gate:
         suspended."""
         if not self.admitted:
             return True  # alone, it runs however large: nothing else is reserved
-        if id(s) in self.refused:
+        if s in self.refused:
             return False
         want = self.sessions.projection(s)
         if not self._over(want):
@@ -244,13 +244,13 @@ class Gate:
                 takeable.append(x)
                 self._add(x, -1)
                 if not self._over(want) or len(takeable) == len(self.admitted):
-                    for x in takeable:
-                        self.sessions.suspend(x)
-                        self.admitted.remove(x)
+                    for taken in takeable:
+                        self.sessions.suspend(taken)
+                        self.admitted.remove(taken)
                     return True
-        for x in takeable:
-            self._add(x, 1)
-        self.refused.add(id(s))
+        for taken in takeable:
+            self._add(taken, 1)
+        self.refused.add(s)
         return False
 
     def admit(self, s: Session) -> None:
