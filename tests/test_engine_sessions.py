@@ -8,6 +8,7 @@ import forkjax
 from conftest import SMALL
 from forkjax.config import ModelConfig
 from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.engine.sessions import Session
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
@@ -162,3 +163,19 @@ def test_bad_session_arguments_are_refused(call, err):
 def test_bad_session_ttl_is_refused():
     with pytest.raises(ValueError, match="session_ttl_s"):
         _engine(session_ttl_s=-1)
+
+
+def test_a_sessions_paths_count_each_branch_once():
+    """Four mappers read one 100-token document, then their own 8-token instruction (64
+    generated): one whole path and three branches from the document's 7th page; a later turn
+    that extends a mapper's prompt lengthens its branch, a prompt inside a path adds nothing."""
+    s = Session(0.0)
+    doc = list(range(100))
+    prompts = [np.asarray(doc + [200 + i] * 8, np.int32) for i in range(4)]
+    for p in prompts:
+        s.grow("base", "ns", p, len(p) + 64)
+    assert s.pages(16) == (11 + 3 * (11 - 6), 0)
+    s.grow("base", "ns", np.asarray(list(prompts[0]) + [7] * 150, np.int32), 300)
+    s.grow("base", "ns", np.asarray(doc[:50], np.int32), 60)
+    s.grow("res", "other", prompts[1], 172)
+    assert s.pages(16) == (19 + 3 * 5, 11)

@@ -14,8 +14,9 @@ peak working sets of the admitted sessions plus its own fit in each pool; later 
 admitted session go in within its reservation. A session's projection per pool is its expected
 final length in pages (`session_tokens` when the client gives it, else the mean final length of
 the sessions that ended, else the longest request the engine takes) times the paths it keeps in
-that pool (the namespaces it touched, at least the mean of ended sessions, else one per loaded
-adapter where the pool keeps one per adapter), and never less than what it already uses. A
+that pool (the namespaces it touched, at least the mean of ended sessions, whose branches count
+in pages, else one per loaded adapter where the pool keeps one per adapter), and never less than
+what its requests so far keep (`Session.grow`: a branch per request that leaves the others). A
 session whose pages are taken after all (admission.py, scheduler.py) is suspended: its holds
 drop, its reservation is given back, and its next request is admitted like a first one.
 """
@@ -27,7 +28,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from forkjax.cache import DualRadixCache, PrefixHold
+from forkjax.cache.tree_node import common_prefix_len
 
 # Seconds a session keeps its pages held after its last request ended, unless a request ended it
 # (`session_end`): long enough for a tool call.
@@ -47,16 +51,32 @@ class Session:
     ending: bool = False  # a request said session_end: it ends when none is live
     admitted: bool = False  # holds a reservation (admission.py)
     tokens: int = 0  # longest request so far: prompt + max_new_tokens
-    # (pool, namespace) -> the longest request's tokens there: the paths it keeps
+    # (pool, namespace) -> the branches of the paths it keeps there: [prompt, start, end]
     paths: dict = dataclasses.field(default_factory=dict)
     version: int = 0  # changes with tokens_hint, tokens and paths
     projected: tuple | None = None  # (what it was computed from, the projection)
 
+    def grow(self, pool: str, ns, prompt: np.ndarray, target: int) -> None:
+        """A request of `target` tokens whose prompt is `prompt` [n] int32 keeps a path in
+        namespace `ns` of `pool`: it continues the branch whose prompt it extends (a ReAct
+        turn), or branches off where it leaves the others (MapReduce's mappers after their
+        shared document); a branch holds positions [start, end)."""
+        branches = self.paths.setdefault((pool, ns), [])
+        shared = 0
+        for b in branches:
+            n = common_prefix_len(b[0], prompt)
+            if n == len(b[0]) or n == len(prompt):  # extends this branch, or lies inside it
+                b[0], b[2] = max(b[0], prompt, key=len), max(b[2], target)
+                return
+            shared = max(shared, n)
+        branches.append([prompt, shared, target])
+
     def pages(self, page_size: int) -> tuple[int, int]:
-        """(base, residual) pages of its paths at their longest."""
+        """(base, residual) pages of its paths: every branch, and the partly shared page a
+        branch forks inside (copied)."""
         out = dict.fromkeys(POOLS, 0)
-        for (pool, _), tokens in self.paths.items():
-            out[pool] += -(-tokens // page_size)
+        for (pool, _), branches in self.paths.items():
+            out[pool] += sum(-(-end // page_size) - start // page_size for _, start, end in branches)
         return out["base"], out["res"]
 
 
@@ -100,8 +120,9 @@ class Sessions:
         s.idle_since = None
         target = len(seq.prompt) + seq.params.max_new_tokens
         s.tokens = max(s.tokens, target)
+        prompt = np.asarray(seq.prompt, np.int32)
         for pool, ns in seq.key_ns:
-            s.paths[(pool, ns)] = max(s.paths.get((pool, ns), 0), target)
+            s.grow(pool, ns, prompt, target)
         old = s.holds.pop(seq.adapter_key, None)
         if old is not None:
             old.release()  # the new request holds what it reuses of that agent's path
