@@ -78,9 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import gc
-import json
 import os
 import shlex
 import subprocess
@@ -97,18 +95,14 @@ from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, ge
 from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.runners import InProcess, OverHttp
-from forkjax.workflows.plots import plot_breakdown, plot_throughput
+from forkjax.workflows.report import summary_line, write_json, write_summary
 
 POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
 WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
 GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 REPLAY_MAX_BATCH = 64  # the engine's default on a GPU
 FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
-SUMMARY = ("policy", "workflows", "total", "max_batch_size", "session_hints", "tasks_per_s",
-           "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
-           "base_hit_rate", "residual_hit_rate", "decode_batch_size_mean", "workflows_running_peak",
-           "prefill_tokens_computed", "prefill_tokens_minimal", "recompute_ratio", "preemptions",
-           "latency_p50_s", "compile_s", "build_s", "wall_s")
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,21 +294,6 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
                                          "preemptions")}}
 
 
-def summary_line(row: dict) -> str:
-    def f(key, spec):
-        return "n/a" if row.get(key) is None else format(row[key], spec)
-    return (f"{'replay ' if row.get('replay') else ''}{row['pattern']} {row['policy']} "
-            f"x{row['workflows']} ({row['total']} in all): {row['tasks_per_s']:.3f} tasks/s, steady "
-            f"{f('tasks_per_s_steady', '.3f')}, sustained {f('tasks_per_s_sustained', '.3f')}, "
-            f"{row['tokens_per_s']:.1f} tok/s, KV/agent {row['per_agent_kv_bytes'] / 2**20:.2f} MiB, "
-            f"hit base {row['base_hit_rate']:.3f} residual {row['residual_hit_rate']:.3f}, decode batch "
-            f"{f('decode_batch_size_mean', '.1f')} (max {row['max_batch_size']}), workflows running "
-            f"peak {row.get('workflows_running_peak')}, prefill {row.get('prefill_tokens_computed')} tok"
-            f" / minimal {row['prefill_tokens_minimal']} = {f('recompute_ratio', '.3f')}, "
-            f"{row.get('preemptions')} preemptions (run {row['wall_s']:.1f} s, compile "
-            f"{row['compile_s']:.1f} s {row['compile_breakdown']})")
-
-
 def git_commit() -> str | None:
     """HEAD, or $FORKJAX_COMMIT (a copy of the tree whose .git is not this commit's)."""
     if os.environ.get("FORKJAX_COMMIT"):
@@ -325,21 +304,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.stdout.strip()
-
-
-def write_json(path: str, obj: dict):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-
-
-def write_summary(out: str, rows: list[dict], title: str):
-    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=SUMMARY, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    plot_throughput(rows, os.path.join(out, "throughput.png"), title)
-    plot_breakdown(rows, os.path.join(out, "breakdown.png"), title)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
