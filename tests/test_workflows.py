@@ -13,7 +13,7 @@ from conftest import bench_workflows
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ReActWorkflow, RequestRecord,
-                               RunResult, TokenSampler, WorkflowSource, agent_names, fixed_profile,
+                               RunResult, TokenSampler, agent_names, fixed_profile,
                                get_profile, longest_request, make_workflows, workflow_source)
 from forkjax.workflows.driver import run_in_process
 from forkjax.workflows.loop import ClosedLoop

@@ -9,8 +9,9 @@ running requests for more than one step.
 Admission (admission.py) decides who runs; pages are reserved chunk by chunk as a request computes
 (`SeqCache.reserve`, evicting unheld LRU leaves first), and a prefill chunk's whole pages enter
 the trees when its step is done (output processing, output_processor.py's mixin), so requests
-admitted together share what the first of them computes (inflight.py). A running request that cannot get a page preempts the
-one of the youngest workflow (its pages go back, it is recomputed later, its tokens so far kept).
+admitted together share what the first of them computes (inflight.py). A running request that
+cannot get a page preempts the one of the youngest workflow, which is suspended (its pages go back,
+it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
 
 The scheduler alone writes a request's state (`Sequence`); a batch leaves it as plain data
