@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "excludes most compiles)")
     p.add_argument("--http", action="store_true", help="drive a local `forkjax.serve` app over HTTP "
                    "with the openai client instead of the engine API")
+    p.add_argument("--step-log", action="store_true", help="results.json gets `steps`: every step's kind, "
+                   "requests, tokens computed and attended, and device seconds (EngineStats.step_log)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workflows' lengths and tokens")
     p.add_argument("--out", default="bench_workflows_out", help="output directory")
     return p
@@ -171,8 +173,9 @@ def check_args(args) -> tuple[list[str], list[int]]:
     if min(counts) < 1:
         raise ValueError(f"workflow counts {counts}: expected >= 1")
     args.totals = {n: total_of(args.total, n) for n in counts}
-    if args.replay and args.http:
-        raise ValueError("--replay drives a model-free engine in process: not with --http")
+    if args.http and (args.replay or args.step_log):
+        raise ValueError(f"--{'replay' if args.replay else 'step-log'} drives the engine in process: "
+                         "not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
@@ -268,11 +271,14 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
     shape = dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
     total = args.totals[n]
     runner.fresh()
+    if args.step_log:
+        runner.engine.metrics.record_steps()
     t = time.perf_counter()
     source = workflow_source(args.pattern, n, total, profile, tokens, tool_latency=args.tool_latency,
                              **shape)
     result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
+    steps = {"steps": runner.engine.metrics.record_steps(False)} if args.step_log else {}
     runner.fresh()  # an empty cache whose budget evicts nothing; tool latency changes no KV
     _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
     cache = runner.engine.cache
@@ -291,7 +297,7 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions")}}
+                                         "preemptions")}, **steps}
 
 
 def git_commit() -> str | None:

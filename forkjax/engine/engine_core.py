@@ -142,7 +142,7 @@ class EngineCore:
         self.metrics.time("inputs_s", self.runner.last_inputs_s)
         self.metrics.time("dispatch_s", self.runner.last_dispatch_s)
         self.metrics.time("steps", 1)
-        self.metrics.launched(batch)
+        self.metrics.launched(batch, t1)
         self.scheduler.on_launched(batch)
         done += self._finish_inflight()  # the previous step, while this one runs
         self._inflight = launched
@@ -156,6 +156,7 @@ class EngineCore:
         out = self.runner.fetch(launched)
         t1 = time.perf_counter()
         self.scheduler.process_outputs(launched.batch, out)
+        self.metrics.fetched(launched.batch, t1)
         self.metrics.time("device_s", t1 - t0)
         self.metrics.time("postprocess_s", time.perf_counter() - t1)
         return list(dict.fromkeys(launched.batch.seqs))  # a request in pieces: once

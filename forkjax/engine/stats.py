@@ -16,15 +16,34 @@ class EngineStats:
     def __init__(self):
         self.step_times = dict.fromkeys(STEP_PARTS, 0)  # cumulative seconds per part
         self.decode_steps = self.decode_seqs = 0
+        # per step, when a list (`record_steps`): [decode 1 / extend 0, requests, tokens computed,
+        # tokens attended (sum of the rows' ends), device seconds]; a step's device seconds run
+        # from its dispatch or the previous step's results, whichever is later, to its results
+        self.step_log: list | None = None
+        self._launch_t = self._done_t = 0.0
+
+    def record_steps(self, on: bool = True) -> list | None:
+        """Start a fresh step log (or stop logging); returns the log that ends."""
+        log, self.step_log = self.step_log, [] if on else None
+        return log
 
     def time(self, part: str, dt: float) -> None:
         self.step_times[part] += dt
 
-    def launched(self, batch) -> None:
-        """A step of `batch` (a ScheduledBatch) was dispatched."""
+    def launched(self, batch, t: float) -> None:
+        """A step of `batch` (a ScheduledBatch) was dispatched at perf-counter time `t`."""
         if batch.kind == "decode":
             self.decode_steps += 1
             self.decode_seqs += len(batch.seqs)
+        self._launch_t = t
+
+    def fetched(self, batch, t: float) -> None:
+        """The results of the step last dispatched, `batch`, reached the host at time `t`."""
+        if self.step_log is not None:
+            self.step_log.append([int(batch.kind == "decode"), len(batch.seqs),
+                                  sum(e - s for s, e in batch.chunks), sum(e for _, e in batch.chunks),
+                                  t - max(self._launch_t, self._done_t)])
+        self._done_t = t
 
     def snapshot(self, cache, scheduler, slots) -> dict:
         """The keys of docs/design.md, Public contracts, and more: the cache's counters with

@@ -187,12 +187,13 @@ class ReplayEngine:
             self.clock.t += IDLE_S
             return []
         self._idle_since = None
-        self.metrics.launched(batch)
+        self.metrics.launched(batch, self.clock.t)
         self.metrics.time("steps", 1)
         self.scheduler.on_launched(batch)
         dt = self.cost.step_s(batch)
         self.metrics.time("device_s", dt)
         self.clock.t += dt
+        self.metrics.fetched(batch, self.clock.t)
         n = len(batch.seqs)
         out = Fetched(tokens=self.rng.integers(0, MAX_RANDOM_ID, n).astype(np.int32),
                       finite=np.ones(n, bool), fan_finite=np.ones((n, len(self.agents) + 1), bool),
