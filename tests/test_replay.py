@@ -40,6 +40,7 @@ def test_step_costs_reproduce_their_h200_rows():
 
 def test_replay_runs_on_virtual_time():
     engine = ReplayEngine(MODEL, agent_names("react"), max_model_len=2048)
+    engine.metrics.record_steps()
     prof = fixed_profile(512, 16, 16, 4)
     wall = time.perf_counter()
     result = run_in_process(engine, make_workflows("react", 2, prof, TOKENS, rounds=2,
@@ -51,6 +52,14 @@ def test_replay_runs_on_virtual_time():
     stats = engine.stats()
     assert stats["decode_steps"] > 0 and stats["workflows_running_peak"] == 2
     assert stats["prefill_tokens_computed"] > 0 and engine.describe()["replay"] is True
+    # The step log holds each step's modelled seconds: they add up to the device time, and its
+    # decode steps are the ones the stats count.
+    log = engine.metrics.record_steps(False)
+    assert sum(s[4] for s in log) == pytest.approx(engine.metrics.step_times["device_s"])
+    decode = [s for s in log if s[0] == 1]
+    assert len(decode) == stats["decode_steps"] and all(s[2] == s[1] for s in decode)
+    assert sum(s[1] for s in decode) / len(decode) == pytest.approx(stats["decode_batch_size_mean"])
+    assert engine.metrics.step_log is None
 
 
 @pytest.mark.parametrize("policy", ["prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout"])

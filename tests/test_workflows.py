@@ -357,11 +357,16 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
     # No prompt is 1 past a multiple of the 16-token chunks: a prompt chunked up to its last token
     # leaves that one to a decode step, which prefill_tokens_computed does not count.
     argv = [*SMOKE[:-1], "prefix,forkkv,forkkv+fanout", "--context", "45", "--gen", "5", "--obs", "3",
-            "--total", "5", "--pattern", pattern, "--out", str(tmp_path)]
+            "--total", "5", "--pattern", pattern, "--step-log", "--out", str(tmp_path)]
     rows = bench_workflows().main(argv)
     for r in rows:
         assert r["total"] == 5 and r["preemptions"] == 0
         assert r["prefill_tokens_computed"] == r["prefill_tokens_minimal"] > 0 and r["recompute_ratio"] == 1
+        # --step-log: every step of the run (not of the one-workflow KV run after it), timed
+        decode = [s for s in r["steps"] if s[0] == 1]
+        assert sum(s[1] for s in decode) / len(decode) == pytest.approx(r["decode_batch_size_mean"])
+        assert all(s[4] > 0 for s in r["steps"]) and sum(s[4] for s in r["steps"]) < r["wall_s"]
+        assert sum(s[2] for s in r["steps"]) >= r["prefill_tokens_computed"]
     by = {r["policy"]: r["prefill_tokens_minimal"] for r in rows}
     assert by["forkkv+fanout"] < by["forkkv"] <= by["prefix"]
 
@@ -389,6 +394,7 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--sweep", "2,4", "--total", "3"], "--total"),
                         (["--total", "many"], "--total"),
                         (["--replay", "--http"], "--replay"),
+                        (["--step-log", "--http"], "--step-log"),
                         (["--model", "no-such-model"], "--model")):
         with pytest.raises(ValueError, match=match):
             bench.main(["--model", "tiny-llama", *argv, "--out", str(tmp_path)])

@@ -25,8 +25,13 @@ llama3-8b-random, rank-16 `forkkv`, commit 8c83309 (first run of 20 steps):
 
 K/V bytes a token are the replayed layout's (base and residual pages over the page size); the
 fixed and per-token parts scale with the model's projection and LM-head parameters against
-Llama-3-8B's (weight reads at decode, FLOPs at prefill). Host time, overlap and the HTTP stack
-are not modelled.
+Llama-3-8B's (weight reads at decode, FLOPs at prefill).
+
+Host time: each request adds HOST_S_PER_REQUEST to the clock, the time per request that
+overlap does not hide on the H200. It is (wall − the sum of the steps' device seconds) /
+requests over seven `bench_workflows.py --step-log` runs at eae05af (ReAct, llama3.1-8b-random,
+the four policies at 16 workflows and `lrshared` at 4 / 16 / 32): 6.3-9.0 ms, median 7.2. The
+HTTP stack is not modelled.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ DECODE_TOKENS = 2048  # each request's tokens in those rows
 ATTENTION_BYTES_PER_S = 545e6 / 161e-6  # one layer's K/V at B=64 over its attention time
 PREFILL = (8191, 0.267, 2048)  # prompt tokens, seconds to the first token, tokens a step
 MEASURED_MODEL = "llama3-8b-random"
-ADD_S = 1e-6  # host time to queue a request: requests submitted together get distinct arrivals
+HOST_S_PER_REQUEST = 7.2e-3  # host time a request costs beyond overlap (module docstring)
 IDLE_S = 1e-3  # a step with nothing to run (requests wait for admission): the loop polls again
 MAX_IDLE_S = 3600.0  # that long with work and nothing to run: the scheduler is stuck
 
@@ -172,7 +177,7 @@ class ReplayEngine:
                                session_id=session_id, session_end=session_end,
                                session_tokens=session_tokens, fanout=tuple(fanout.items())))
         self.scheduler.add(seq)
-        self.clock.t += ADD_S
+        self.clock.t += HOST_S_PER_REQUEST
         return seq
 
     def step(self) -> list[Sequence]:
