@@ -32,8 +32,10 @@ The HTTP layer is in forkjax/server/; this file parses flags, builds the engine 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -44,13 +46,16 @@ import jax
 import uvicorn
 
 import forkjax
-from forkjax.engine.compiler import COMPILER
 from forkjax.engine.engine import WARMUP_MODES
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.server.app import create_app
 from forkjax.server.engine_loop import EngineLoop, display_path
+from forkjax.server.middleware import GUARDED_PREFIXES
 
 DEFAULT_MAX_BODY = 8 << 20
+# Requests still running when --shutdown-timeout passes are aborted and answered with an error;
+# uvicorn cancels those whose answer has not gone out this much later (a stuck client or step).
+ABORT_GRACE_S = 5.0
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -76,11 +81,19 @@ def _utf8(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line: the usage of 30 flags would bury the message."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m forkjax.serve", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m forkjax.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-llama",
-                   help="HF checkpoint directory, .gguf file or built-in model name (%(default)s; "
-                        "smollm2-135m: the real SmolLM2-135M-Instruct)")
+                   help="the model to serve: an HF checkpoint directory, a .gguf file or a built-in "
+                        "model name (default: %(default)s, a tiny random-weight Llama served with "
+                        "the demo adapters; smollm2-135m: the real SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", type=_utf8, default=None,
                    help="the base model's name in the API (default: --model)")
     p.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME=DIR",
@@ -129,14 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000,
                    help="%(default)s; 0 picks a free port (printed when ready)")
     p.add_argument("--api-key", default=os.environ.get("FORKJAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $FORKJAX_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route under "
+                        f"{', '.join(GUARDED_PREFIXES)} (/health, /metrics, /version and the API "
+                        "docs stay open; default: $FORKJAX_API_KEY)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY,
                    help="largest request body accepted (8M)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive, else 408 (%(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, seconds running requests get to finish before the "
-                        "rest are aborted (%(default)s)")
+                        "rest are aborted, each answered with a 503 error (a stream: an error "
+                        "event) (%(default)s)")
     p.add_argument("--compilation-cache-dir", default=os.path.expanduser("~/.cache/forkjax/jax"),
                    help="XLA programs kept across restarts (%(default)s; '' disables; "
                         "$JAX_COMPILATION_CACHE_DIR wins)")
@@ -145,13 +161,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive(v) -> bool:
+    return v >= 1
+
+
+# flag -> (whether a value is valid, what it must be); NaN fails every test.
+NUMBER_FLAGS = {
+    "port": (lambda v: 0 <= v <= 65535, "a TCP port, 0 to 65535 (0 picks a free one)"),
+    "max_model_len": (_positive, "a context length >= 1 token"),
+    "max_batch_size": (_positive, "an int >= 1"),
+    "max_prefill_tokens": (_positive, "an int >= 1"),
+    "page_size": (_positive, "an int >= 1"),
+    "max_loras": (_positive, "an int >= 1 (the base model takes one slot)"),
+    "max_lora_rank": (_positive, "an int >= 1"),
+    "kv_cache_bytes": (_positive, "a size > 0"),
+    "max_request_bytes": (_positive, "a size > 0"),
+    "seed": (lambda v: 0 <= v < 2**63, "an int in [0, 2**63)"),
+    "residual_fraction": (lambda v: 0 < v < 1, "a fraction strictly between 0 and 1"),
+    "session_ttl": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
+    "body_timeout": (lambda v: 0 < v < math.inf, "finite seconds > 0"),
+    "shutdown_timeout": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
+}
+
+
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """Refuse out-of-range numeric flags before anything loads, naming the flag: otherwise a
+    bad value fails later, deep in the engine, or is silently replaced (--port 99999)."""
+    for name, (valid, what) in NUMBER_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not valid(value):
+            parser.error(f"--{name.replace('_', '-')} {value}: expected {what}")
+
+
 def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.residual_fanout and args.cache_policy != "forkkv":
         parser.error(f"--residual-fanout needs --cache-policy forkkv, not {args.cache_policy}")
-    if not 0 <= args.session_ttl < float("inf"):
-        parser.error(f"--session-ttl {args.session_ttl}: expected finite seconds >= 0")
+    check_numbers(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("forkjax").setLevel(args.log_level.upper())
     if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -183,32 +230,47 @@ def main(argv: list[str] | None = None):
               f"{url}/v1" + (" (API key required)" if args.api_key else ""), flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = ReadyServer(config, ready)
+                            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
+    server = ReadyServer(config, ready, drain_s=args.shutdown_timeout, abort=loop.stop_requests)
     loop.start()
     try:
         server.run()
     finally:
         loop.shutdown()  # aborts what the drain left running
-        COMPILER.stop_background()  # the warm-up's compile in progress, if any, finishes
+        engine.close()  # stops the warm-up: its compile in progress, if any, finishes
     print("forkjax: stopped", file=sys.stderr, flush=True)
 
 
 class ReadyServer(uvicorn.Server):
     """uvicorn that says once, with the bound port, when it accepts requests, and stops on
-    SIGTERM as on SIGINT: it stops accepting, lets running requests finish for up to
-    `timeout_graceful_shutdown` seconds, cancels the rest, and returns (exit status 0)."""
+    SIGTERM as on SIGINT: it stops accepting, lets running requests finish for up to `drain_s`
+    seconds, then calls `abort` (the engine loop ends the rest, and each is answered with an
+    error rather than cut off), and returns (exit status 0) once they are answered. uvicorn
+    cancels what is still unanswered at its `timeout_graceful_shutdown`."""
 
-    def __init__(self, config: uvicorn.Config, ready):
+    def __init__(self, config: uvicorn.Config, ready, *, drain_s: float, abort):
         super().__init__(config)
-        self._ready = ready
+        self._ready, self._drain_s, self._abort = ready, drain_s, abort
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
             print(f"forkjax: {signal.Signals(sig).name}: stopping; running requests get "
-                  f"{self.config.timeout_graceful_shutdown:g} s to finish", file=sys.stderr,
-                  flush=True)
+                  f"{self._drain_s:g} s to finish", file=sys.stderr, flush=True)
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None):
+        timer = asyncio.get_running_loop().call_later(self._drain_s, self._drain_timed_out)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _drain_timed_out(self):
+        if self.server_state.tasks:
+            print(f"forkjax: shutdown: aborting {len(self.server_state.tasks)} request(s) still "
+                  f"running after {self._drain_s:g} s (--shutdown-timeout)", file=sys.stderr,
+                  flush=True)
+        self._abort()
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -16,7 +16,7 @@ POOL = [1] * 1000  # fits the context, not the 960-token KV pool
 BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, param)
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', None, 400, None),
     "not_an_object": ("/v1/completions", b"[1, 2]", None, 400, None),
-    "not_json_content_type": ("/v1/completions", b'{"prompt": "x"}', {"content-type": "text/plain"}, 400, None),
+    "not_json_content_type": ("/v1/completions", b'{"prompt": "x"}', {"content-type": "text/plain"}, 415, None),
     "prompt_wrong_type": ("/v1/completions", {"prompt": 12}, None, 400, "prompt"),
     "max_tokens_string": ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, None, 400, "max_tokens"),
     "max_tokens_negative": ("/v1/completions", {"prompt": "x", "max_tokens": -3}, None, 400, "max_tokens"),
@@ -34,7 +34,13 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "token_out_of_vocab": ("/v1/completions", {"prompt": [5, 99999]}, None, 400, "prompt"),
     "prompt_over_context": ("/v1/completions", {"prompt": LONG}, None, 400, "prompt"),
     "prompt_over_pool": ("/v1/completions", {"prompt": POOL, "max_tokens": 8}, None, 400, "prompt"),
-    "unsupported_echo": ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, None),
+    "logprobs_too_many": ("/v1/completions", {"prompt": "x", "logprobs": 21}, None, 400, "logprobs"),
+    "logit_bias_out_of_vocab": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None, 400,
+                                "logit_bias"),
+    "logit_bias_not_an_id": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400,
+                             "logit_bias"),
+    "min_tokens_over_max": ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, None, 400,
+                            None),
     "stop_empty": ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, None),
     "chat_messages_string": ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
     "chat_no_messages": ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
@@ -100,7 +106,7 @@ def test_bad_input_changes_nothing(server):
         complete(http, prompt="warm", max_tokens=2)
         models, before = http.get("/v1/models").json(), server.metrics()
         for name in BAD:
-            assert send_bad(http, name).status_code in (400, 401, 404, 413)
+            assert send_bad(http, name).status_code in (400, 401, 404, 413, 415)
         assert http.get("/v1/models").json() == models
         after = server.metrics()
         for key in ("forkjax:prompt_tokens_total", "forkjax:generation_tokens_total",

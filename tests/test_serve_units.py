@@ -72,10 +72,12 @@ def test_chat_template_from_the_tokenizer_config(tmp_path):
 # ---- request validation -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("body", [
-    {"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": True}, {"prompt": "x", "n": 1.0},
+    {"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": True}, {"prompt": "x", "n": 1.5},
     {"prompt": "x", "temperature": float("nan")}, {"prompt": "x", "temperature": 3},
-    {"prompt": ["a", 1]}, {"prompt": "x", "stop": [""] * 2}, {"prompt": "x", "logprobs": 2},
-    {"prompt": "x", "best_of": 3}, {"prompt": "x", "presence_penalty": 0.5}, {"prompt": None},
+    {"prompt": ["a", 1]}, {"prompt": "x", "stop": [""] * 2}, {"prompt": "x", "logprobs": 21},
+    {"prompt": "x", "best_of": 3}, {"prompt": "x", "presence_penalty": 2.5}, {"prompt": None},
+    {"prompt": "x", "repetition_penalty": 0}, {"prompt": "x", "min_tokens": -1},
+    {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}},
     {"prompt": "x", "session_id": ""}, {"prompt": "x", "session_id": 5},
     {"prompt": "x", "session_id": "s" * 257}, {"prompt": "x", "cache_salt": ""},
     {"prompt": "x", "cache_salt": 3},
@@ -91,10 +93,15 @@ def test_requests_accept_what_openai_clients_send():
                                           "stop": "\n", "logprobs": None, "echo": False, "unknown": 1,
                                           "session_id": "s" * 256, "fanout_adapters": []})
     assert r.stop_strings == ["\n"] and r.temperature == 0.0 and r.fanout_adapters == []
+    r = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 2.0, "n": 1.0, "temperature": 1})
+    assert (r.max_tokens, r.n, r.temperature) == (2, 1, 1.0) and type(r.max_tokens) is int
     c = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                               "max_completion_tokens": 5, "tool_choice": "none",
                                               "response_format": {"type": "text"}})
     assert c.max_new_tokens == 5
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                              "top_logprobs": 2})
 
 
 # ---- command line -----------------------------------------------------------------------------

@@ -27,6 +27,8 @@ class BatchRow:
     adapter_slot: int
     params: SamplingParams
     step: int  # tokens the request has generated, pending ones included (the sampler's counter)
+    output: list | None = None  # generated tokens the host knows, for penalties (else None)
+    prompt: tuple | None = None  # the prompt, for a repetition penalty (else None)
 
     @classmethod
     def of(cls, seq: Sequence, start: int, end: int) -> BatchRow:
@@ -38,9 +40,12 @@ class BatchRow:
         else:
             tokens = seq.tokens[start:end]
             base_slots, res_slots = h.slot_mapping(start, end)
+        p = seq.params
+        penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
         return cls(start, end, tokens, seq.sample_row, base_slots, res_slots,
                    h.fanout_slots(start, end), h.base_page_table, h.res_page_table, seq.slot,
-                   seq.params, len(seq.output) + seq.pending)
+                   p, len(seq.output) + seq.pending, seq.output if penalised else None,
+                   seq.req.prompt if p.repetition_penalty != 1 else None)
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,23 +13,52 @@ time for every bucket:
   compile of it), so the first answer needs only the programs it runs: the 30 unrolled layers of
   a small model take seconds a program to compile on a 2-core CPU, a whole warm-up minutes
   (BENCHMARKS.md, Start-up).
+
+A background warm-up stops (`BackgroundWarmup.stop`: its engine's `close()`; `stop_background`:
+all of them, at interpreter exit too) once the compiles it already started finish; the programs
+it compiled stay shared.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 from collections.abc import Callable, Hashable
 
 log = logging.getLogger("forkjax")
 
 
+class BackgroundWarmup:
+    """One `compile_all` on a daemon thread of its own, with its own stop event: stopping one
+    engine's warm-up leaves another engine's running."""
+
+    def __init__(self, run: Callable[[threading.Event], None]):
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=run, args=(self.stopping,), name="forkjax-warmup",
+                                        daemon=True)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        """Lower and compile no more shapes; return once the compiles already started have
+        finished (their programs are kept)."""
+        self.stopping.set()
+        if self._thread.ident is not None:  # started (a stop may come between add and start)
+            self._thread.join()
+
+
 class ShapeCompiler:
     def __init__(self):
         self._lock = threading.Lock()
         self._futures: dict[Hashable, concurrent.futures.Future] = {}
-        self._stop, self._background = threading.Event(), []
+        self._background: set[BackgroundWarmup] = set()
 
     def get(self, key: Hashable, lower: Callable):
         """The executable of `key`; `lower()` -> jax Lowered, called only if this thread
@@ -47,52 +76,65 @@ class ShapeCompiler:
                     stop: threading.Event | None = None):
         """items: [(key, lower)]: lowered in turn on this thread (Python), each compiled on one
         of `workers` threads as soon as one is free; returns when all are compiled, or, once
-        `stop` is set, when those already started are."""
-        free, jobs = threading.Semaphore(max(1, workers)), []
-        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        `stop` is set, when the compiles this call started are (it lowers no more). The threads
+        start with the call, not with each compile: once the interpreter exits (when the exit
+        hook below stops a background warm-up) Python starts no new thread."""
+        free, lowered = threading.Semaphore(max(1, workers)), queue.SimpleQueue()
+        threads = [threading.Thread(target=self._compile_each, args=(lowered, free, progress),
+                                    name="forkjax-compile", daemon=True)
+                   for _ in range(max(1, workers))]
+        for thread in threads:
+            thread.start()
+        mine, others = [], []
+        try:
             for key, lower in items:
                 free.acquire()  # no backlog of lowered programs: a stop waits for few compiles
-                future, mine = self._claim(key) if not (stop and stop.is_set()) else (None, False)
-                if not mine:  # compiled, being compiled by another thread, or stopped
+                if stop is not None and stop.is_set():
+                    break
+                future, claimed = self._claim(key)
+                if not claimed:  # compiled, or being compiled by another thread
                     free.release()
-                    jobs.append(future)
+                    others.append(future)
                     continue
-                try:
-                    lowered = lower()
-                except BaseException as e:
-                    self._fail(key, future, e)
-                    raise
-                jobs.append(pool.submit(self._fill, key, future, lowered.compile))
-                jobs[-1].add_done_callback(lambda _: (free.release(), progress and progress()))
-        for job in jobs:
-            if job is not None:
-                job.result()  # raises a compile's error
+                mine.append(future)
+                lowered.put((key, future, self._lower(key, future, lower)))
+        finally:
+            for _ in threads:
+                lowered.put(None)
+            for thread in threads:
+                thread.join()
+        stopped = stop is not None and stop.is_set()
+        for future in mine + ([] if stopped else others):
+            future.result()  # raises a compile's error
 
-    def start_background(self, items, workers: int, on_done: Callable[[], None]):
+    def start_background(self, items, workers: int, on_done: Callable[[], None]) -> BackgroundWarmup:
         """`compile_all` on a daemon thread, in the order given, while steps run; then
-        `on_done()`. Shapes are claimed one at a time, so a step needing a shape the thread
-        has not reached compiles it at once instead of waiting its turn."""
-        def run():
+        `on_done()` unless stopped first. Shapes are claimed one at a time, so a step needing a
+        shape the thread has not reached compiles it at once instead of waiting its turn."""
+        def run(stopping: threading.Event):
             try:
-                self.compile_all(items, workers, stop=self._stop)
+                self.compile_all(items, workers, stop=stopping)
             except Exception:  # a step that needs it compiles it again and raises there
-                log.exception("forkjax: background warm-up stopped")
+                log.exception("background warm-up stopped")
             else:
-                if not self._stop.is_set():
+                if not stopping.is_set():
                     on_done()
+            finally:
+                with self._lock:
+                    self._background.discard(warmup)
 
-        thread = threading.Thread(target=run, name="forkjax-warmup", daemon=True)
-        self._background.append(thread)
-        thread.start()
+        warmup = BackgroundWarmup(run)
+        with self._lock:
+            self._background.add(warmup)
+        warmup.start()
+        return warmup
 
     def stop_background(self):
-        """Start no more background compiles and wait for those running (an exiting process
-        would wait for them anyway)."""
-        self._stop.set()
-        for thread in self._background:
-            thread.join()
-        self._background = []
-        self._stop.clear()
+        """Stop every background warm-up of the process (`BackgroundWarmup.stop`)."""
+        with self._lock:
+            running = list(self._background)
+        for warmup in running:
+            warmup.stop()
 
     def _claim(self, key) -> tuple[concurrent.futures.Future, bool]:
         """(the future of `key`, whether the caller created it and must fill it)."""
@@ -103,12 +145,29 @@ class ShapeCompiler:
             future = self._futures[key] = concurrent.futures.Future()
             return future, True
 
+    def _lower(self, key, future, lower):
+        """`lower()`; its error fails the claim of `key` and is raised."""
+        try:
+            return lower()
+        except BaseException as e:
+            self._fail(key, future, e)
+            raise
+
+    def _compile_each(self, lowered: queue.SimpleQueue, free: threading.Semaphore, progress):
+        """One compile thread of `compile_all`: compiles (key, future, Lowered) items until None."""
+        while (item := lowered.get()) is not None:
+            key, future, program = item
+            self._fill(key, future, program.compile)
+            free.release()
+            if progress is not None:
+                progress()
+
     def _fill(self, key, future, compile_fn):
+        """`future`'s result: compile_fn()'s, or its error (`future.result()` raises it)."""
         try:
             future.set_result(compile_fn())
         except BaseException as e:
             self._fail(key, future, e)
-            raise
 
     def _fail(self, key, future, error):
         with self._lock:  # the next step that needs it tries again
@@ -118,3 +177,7 @@ class ShapeCompiler:
 
 # One per process, so that engines built in one process (tests, notebooks) share programs.
 COMPILER = ShapeCompiler()
+# At interpreter exit a warm-up still compiling would be cut off inside XLA once the interpreter
+# tears down (the process aborts). threading's exit hooks run first thing at exit, before any
+# `atexit` handler, and so before jax's, which clear its backends.
+threading._register_atexit(COMPILER.stop_background)

@@ -72,6 +72,7 @@ class Engine(EngineCore):
     def load_adapter(self, name: str, path):
         """Add or replace adapter `name` (PEFT dir or `LoraAdapter`). Requests already running on
         a replaced adapter finish first; new ones see the new weights and a new cache identity."""
+        self._check_open()
         adapter = read_adapters({name: path}, self.model_cfg)[0]
         check_fits(self.model, adapter)  # before draining anything
         if self.config.cache_policy == "lrshared":
@@ -82,6 +83,7 @@ class Engine(EngineCore):
 
     def unload_adapter(self, name: str):
         """Remove adapter `name` once the requests running on it have finished."""
+        self._check_open()
         self.slots.slot_of(name)  # KeyError for an unknown name, before anything changes
         self._drain(name)
         write_slot(self.model, self.slots.remove(name), None)
@@ -103,10 +105,13 @@ class Engine(EngineCore):
 
     def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
                  seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repetition_penalty: float = 1.0, min_tokens: int = 0, logit_bias=None,
                  session_id: str | None = None, session_end: bool = False,
                  session_tokens: int | None = None, fanout_adapters=None,
                  cache_salt: str | None = None) -> list[list[int]]:
-        """Generate for every prompt at once and return each one's new tokens. The session
+        """Generate for every prompt at once and return each one's new tokens. The penalties,
+        `min_tokens` and `logit_bias` ({token id: bias}) are SamplingParams'. The session
         keywords apply to every prompt (`session_end`: the session ends when the last of
         them finishes); add_request says what they do."""
         if adapters is None or isinstance(adapters, str):
@@ -115,7 +120,11 @@ class Engine(EngineCore):
             raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  top_k=top_k, seed=(seed * 1000003 + i) & 0xFFFFFFFF,
-                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+                                 stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                                 presence_penalty=presence_penalty,
+                                 frequency_penalty=frequency_penalty,
+                                 repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                                 logit_bias=tuple((logit_bias or {}).items()))
                   for i in range(len(prompts))]
         seqs = []
         try:

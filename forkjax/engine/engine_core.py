@@ -15,6 +15,7 @@ loading, adapters, `generate` and `score` on top.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -71,12 +72,34 @@ class EngineCore:
         self.overlap = overlap
         self._inflight: Launched | None = None
         self.warmup_s = 0.0  # seconds spent compiling every shape at start
+        self.closed = False
         if warmup not in (True, False, "background"):
             raise ValueError(f"warmup={warmup!r}: expected True, False or 'background'")
         if warmup:
             t = time.perf_counter()
             self.runner.warmup(progress, compile_workers, background=warmup == "background")
             self.warmup_s = time.perf_counter() - t
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def close(self):
+        """Stop this engine's background warm-up (once the compiles it started finish: they
+        stay shared with other engines of the model); the engine then refuses work. A second
+        close does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.runner.stop_warmup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError("engine is closed")
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -96,6 +119,7 @@ class EngineCore:
         engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
         request shares cached pages (base and residual) only with requests of the same salt
         (one salt per trust domain: under `forkkv` agents of one salt read each other's base)."""
+        self._check_open()
         ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
         slot = self.slots.slot_of(adapter)
         salt = check_salt(cache_salt)
@@ -103,9 +127,13 @@ class EngineCore:
         check_session(session_id, session_end, session_tokens)
         fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
         params = params or SamplingParams()
+        bad = [t for t, _ in params.logit_bias if t >= self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is not in the vocabulary "
+                             f"({self.model_cfg.vocab_size} tokens)")
         if not params.ignore_eos:
-            params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(
-                set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids))})
+            params = dataclasses.replace(params, stop_token_ids=tuple(
+                set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids)))
         seq = Sequence(Request(
             tuple(ids), adapter, slot, key, params, score=score, score_from=score_from,
             return_hidden=return_hidden, prefill_whole_prompt=self.config.deterministic,
@@ -121,6 +149,7 @@ class EngineCore:
     def step(self) -> list[Sequence]:
         """One engine step; returns the requests whose step's results it took in (finished
         ones included): with overlap, those of the step launched one call earlier."""
+        self._check_open()
         t0 = time.perf_counter()
         try:
             batch = self.scheduler.schedule(allow_preempt=self._inflight is None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.paged_attention import PagedMeta
-from forkjax.engine.sampler import SamplingArrays
+from forkjax.engine.sampler import ProcessArrays, SamplingArrays
 from forkjax.engine.batch import BatchRow, ScheduledBatch
 from forkjax.engine.sequence import PENDING
 
@@ -105,3 +105,33 @@ def sampling_arrays(rows: list[BatchRow], b: int) -> SamplingArrays:
         temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
         seed[i], step[i] = p.seed & 0xFFFFFFFF, row.step
     return SamplingArrays(temp, top_p, top_k, seed, step)
+
+
+def processing_arrays(rows: list[BatchRow], b: int) -> ProcessArrays:
+    """What sampler.process_logits changes in `rows` (rows 0.., nothing in the padding up to
+    `b`); id lists padded with -1 to a power of two, so few shapes compile."""
+    presence, frequency = np.zeros(b, np.float32), np.zeros(b, np.float32)
+    repetition, pending = np.ones(b, np.float32), np.full(b, -1, np.int32)
+    outputs, prompts, bias_ids, biases, banned = [], [], [], [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        if row.tokens[-1] == PENDING:  # its newest token is still on the device
+            pending[i] = row.prev_row
+        outputs.append(row.output or ())
+        prompts.append(row.prompt or ())
+        bias_ids.append([t for t, _ in p.logit_bias])
+        biases.append([x for _, x in p.logit_bias])
+        banned.append(p.stop_token_ids if row.step < p.min_tokens else ())
+    return ProcessArrays(presence, frequency, repetition, _padded(outputs, b), pending,
+                         _padded(prompts, b), _padded(bias_ids, b),
+                         _padded(biases, b, np.float32, 0), _padded(banned, b))
+
+
+def _padded(lists, b: int, dtype=np.int32, fill=-1) -> np.ndarray:
+    """[b, L] of `lists` in rows 0.., `fill` elsewhere; L the next power of two of the longest."""
+    width = 1 << max(0, max(map(len, lists), default=0) - 1).bit_length()
+    out = np.full((b, width), fill, dtype)
+    for i, xs in enumerate(lists):
+        out[i, :len(xs)] = xs
+    return out

@@ -29,9 +29,11 @@ from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.compiler import COMPILER
 from forkjax.engine.input_batch import (StepInputs, batch_shape, build_inputs, dummy_inputs,
-                                        sampling_arrays)
+                                        processing_arrays, sampling_arrays)
 from forkjax.engine.paged_attention import paged_attention
-from forkjax.engine.sampler import SamplingArrays, greedy, sample
+from forkjax.engine.sampler import (ProcessArrays, SamplingArrays, greedy, process_logits, sample,
+                                    top_logprobs)
+from forkjax.engine.sequence import MAX_LOGPROBS
 from forkjax.engine.batch import ScheduledBatch
 from forkjax.models.transformer import ForwardBatch
 
@@ -48,6 +50,8 @@ class Launched:
     fan_finite: jax.Array  # [b, N] bool: the fan-out residuals it wrote for slot j are finite
     hidden: jax.Array | None  # [L + 1, b * c, d] float32 hidden states with `hidden`
     chunk: int  # c: rows per request
+    # when a request asked for logprobs: (sampled token's [b], top ids [b, k], top logprobs [b, k])
+    logprobs: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -58,6 +62,7 @@ class Fetched:
     fan_finite: np.ndarray  # [n, N] bool
     logits: list | None  # per request [chunk, vocab] float32
     hidden: list | None  # per request [L + 1, chunk, d] float32
+    logprobs: list | None = None  # per request (logprob, top ids [k], top logprobs [k])
 
 
 class HashOnce:
@@ -152,6 +157,17 @@ def _sample_padded(rows, sampling: SamplingArrays, size: int):
     return _pad_to(sample(rows, sampling), size)
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | None, prev_tokens,
+                        size: int, k: int):
+    """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples) ->
+    ([size] int32 tokens sampled from the processed logits (`process` None: as they are),
+    (logprobs [B], top ids [B, k], top logprobs [B, k]) of the model's logits, or None: k = 0)."""
+    z = rows if process is None else process_logits(rows, process, prev_tokens)
+    tokens = sample(z, sampling)
+    return _pad_to(tokens, size), top_logprobs(rows, tokens, k) if k else None
+
+
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
                  use_pallas: bool, fanout: bool = False):
@@ -175,6 +191,7 @@ class ModelRunner:
         self._program = HashOnce((avals(self.state_leaves), avals(self.pools), self.residual,
                                   use_pallas))
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
+        self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
 
     def set_model(self, model):
@@ -201,10 +218,12 @@ class ModelRunner:
 
             def done():
                 self.warm = True
-                log.info("forkjax: warm-up done: %d shapes compiled in the background in %.0f s",
+                log.info("warm-up done: %d shapes compiled in the background in %.0f s",
                          len(items), time.perf_counter() - t0)
 
-            return COMPILER.start_background(items, workers or max(1, cores - 1), done)
+            workers = workers or max(1, cores - 1)
+            self.background_warmup = COMPILER.start_background(items, workers, done)
+            return
         with tqdm(total=len(items), desc="compiling", disable=not progress, unit="shape") as bar:
             COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
         for b in self.buckets.decode_sizes:  # sampling and copy-on-write: small programs, quick
@@ -212,6 +231,12 @@ class ModelRunner:
                                                  sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
         self.warm = True
+
+    def stop_warmup(self):
+        """Stop this runner's background warm-up, if running, once its compiles in progress
+        finish; what other runners compile, and every compiled program, is left as it is."""
+        if self.background_warmup is not None:
+            self.background_warmup.stop()
 
     def _key(self, *shape) -> tuple:
         """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fanout)."""
@@ -245,12 +270,19 @@ class ModelRunner:
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
             batch.kind, all_logits, hidden, inputs, (batch.kind, b, c, w, all_logits, hidden, fanout))
-        if np.any(sampling.temperature > 0):
+        processed = any(r.params.processed for r in batch.rows)
+        k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in batch.rows) else 0
+        logprobs = None
+        if processed or k:  # only steps holding such a request pay for the program
+            process = processing_arrays(batch.rows, b) if processed else None
+            tokens, logprobs = _process_and_sample(rows, sampling, process, self.prev_tokens,
+                                                   len(tokens), k)
+        elif np.any(sampling.temperature > 0):
             tokens = _sample_padded(rows, sampling, len(tokens))
         self.prev_tokens = tokens
         t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
         self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
-        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, states, c)
+        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, states, c, logprobs)
 
     @staticmethod
     def fetch(launched: Launched) -> Fetched:
@@ -260,17 +292,21 @@ class ModelRunner:
         spans = [slice(i * c, i * c + r.end - r.start) for i, r in enumerate(rows)]
         logits = None if launched.logits is None else np.asarray(launched.logits)
         hidden = None if launched.hidden is None else np.asarray(launched.hidden)
+        lps = None
+        if launched.logprobs is not None:
+            lp, ids, top = (np.asarray(x) for x in launched.logprobs)
+            lps = [(float(lp[i]), ids[i], top[i]) for i in range(n)]
         return Fetched(np.asarray(launched.tokens)[:n], np.asarray(launched.finite)[:n],
                        np.asarray(launched.fan_finite)[:n],
                        None if logits is None else [logits[r] for r in spans],
-                       None if hidden is None else [hidden[:, r] for r in spans])
+                       None if hidden is None else [hidden[:, r] for r in spans], lps)
 
     def _call(self, kind, all_logits, hidden, inputs, shape):
         exe = self._exes.get(shape)
         if exe is None:
             key = self._key(*shape)
             if self.warm and not COMPILER.compiled(key):
-                log.warning("forkjax: compiling a new shape after warm-up: %s", shape)
+                log.warning("compiling a new shape after warm-up: %s", shape)
             exe = self._exes[shape] = COMPILER.get(
                 key, lambda: self._lower(kind, all_logits, hidden, inputs))
         return exe(*self._args(inputs)[2:])

@@ -63,7 +63,10 @@ class SchedulerOutputProcessorMixin:
             token = int(out.tokens[i])
             seq.output.append(token)
             p = seq.params
-            if token in p.stop_token_ids:
+            if p.logprobs is not None:
+                lp, ids, top = out.logprobs[i]
+                seq.output_logprobs.append((lp, ids[:p.logprobs], top[:p.logprobs]))
+            if token in p.stop_token_ids and len(seq.output) > p.min_tokens:
                 self.finish(seq, "stop")
             elif (len(seq.output) >= p.max_new_tokens
                   or len(seq) - seq.pending >= self.max_model_len):

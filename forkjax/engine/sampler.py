@@ -1,9 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logits processing
+(penalties, logit bias, min_tokens) and the logprobs of what was sampled.
 
 The step computes greedy tokens itself; `sample` runs as a second small program only for batches
 with a temperature > 0 (the host knows). A `lax.cond` on the temperatures inside the step made
 XLA copy the predicate to the host and wait for the device in the middle of every step, so the
 next step could never be dispatched ahead (overlap scheduling).
+
+Requests with processed logits or logprobs run a third program instead (`process_and_sample`,
+model_runner.py), only in steps that hold such a request, so every other step runs as before.
+Its masks come after the step's finiteness check: a -inf it puts in a row is no fault of the
+model's.
 
 A request's random key is `fold_in(key(seed), n)` for its n-th generated token, so what it samples
 does not depend on which other requests share its batch.
@@ -48,3 +54,51 @@ def sample(logits, s: SamplingArrays):
     pick = jax.vmap(jax.random.categorical)(keys, zs)  # index into the sorted order
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(s.temperature > 0, sampled, greedy(logits))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ProcessArrays:
+    """Per row, what `process_logits` changes (sequence.SamplingParams says the order)."""
+    presence: jax.Array  # [B] float32
+    frequency: jax.Array  # [B] float32
+    repetition: jax.Array  # [B] float32, 1 = off
+    output_ids: jax.Array  # [B, H] int32 generated tokens the host knows, -1 padding
+    pending_row: jax.Array  # [B] int32 row of the previous step's output holding one more, -1 none
+    prompt_ids: jax.Array  # [B, P] int32 prompt tokens (rows with a repetition penalty), -1 padding
+    bias_ids: jax.Array  # [B, K] int32, -1 padding
+    bias: jax.Array  # [B, K] float32
+    banned_ids: jax.Array  # [B, S] int32 stop tokens masked (fewer than min_tokens out), -1 padding
+
+
+def _counts(ids, v: int, weights=1.0):
+    """ids [B, L] int32 (-1 padding), weights [B, L] or a scalar -> [B, V] float32: per row, the
+    weights of each token's occurrences summed (their count with the default)."""
+    rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+    cols = jnp.where(ids >= 0, ids, v)  # padding lands out of bounds and is dropped
+    return jnp.zeros((ids.shape[0], v), jnp.float32).at[rows, cols].add(weights, mode="drop")
+
+
+def process_logits(logits, p: ProcessArrays, prev_tokens):
+    """logits [B, V] float32 -> processed [B, V]; prev_tokens [M] int32: the previous step's
+    sampled tokens (a row's newest token may still be only there: overlap scheduling)."""
+    b, v = logits.shape
+    pending = jnp.where(p.pending_row >= 0, prev_tokens[jnp.maximum(p.pending_row, 0)], -1)
+    output = _counts(jnp.concatenate([p.output_ids, pending[:, None]], axis=1), v)
+    z = logits + _counts(p.bias_ids, v, p.bias)
+    banned = _counts(p.banned_ids, v) > 0
+    masked = jnp.where(banned, -jnp.inf, z)
+    # A row whose every token is banned keeps its logits: it still yields a token.
+    z = jnp.where(jnp.isfinite(masked).any(-1, keepdims=True), masked, z)
+    seen = (output + _counts(p.prompt_ids, v)) > 0
+    r = p.repetition[:, None]
+    z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
+    return z - p.presence[:, None] * (output > 0) - p.frequency[:, None] * output
+
+
+def top_logprobs(logits, chosen, k: int):
+    """logits [B, V] float32 (the model's), chosen [B] int32 -> (chosen's logprob [B], the k
+    most likely ids [B, k] int32, their logprobs [B, k]) under log_softmax(logits)."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top, ids = jax.lax.top_k(lp, k)
+    return jnp.take_along_axis(lp, chosen[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top

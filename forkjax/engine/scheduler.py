@@ -156,7 +156,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """Stop `seq` writing the fan-out residuals of adapter `slots` (they turned non-finite):
         what it wrote for them and has not inserted is freed, never inserted."""
         for slot in slots:
-            log.warning("forkjax: request %d: adapter %r's fan-out residuals computed from its "
+            log.warning("request %d: adapter %r's fan-out residuals computed from its "
                         "hidden states are not finite; not cached", seq.id, seq.fanout.get(slot))
             seq.cache.drop_fanout(slot)
         self._forget_dropped_fanout(seq)

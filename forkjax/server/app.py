@@ -30,7 +30,8 @@ from forkjax.server.tokenize import (
 log = logging.getLogger("forkjax.serve")
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
-GENERATION_RESPONSES = {**ERRORS, 200: {"content": {"text/event-stream": {}}}}
+# 503: the server stopped (--shutdown-timeout passed) before the request finished.
+GENERATION_RESPONSES = {**ERRORS, 503: {"model": ErrorResponse}, 200: {"content": {"text/event-stream": {}}}}
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
               408: "request_timeout", 413: "request_too_large"}
 
@@ -118,7 +119,8 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         try:  # parsing and checking the files needs no engine: off the engine thread
             adapter, = await asyncio.to_thread(read_adapters, {name: body.lora_path}, engine.model_cfg)
         except Exception as e:  # whatever is wrong with the files, it came with the request
-            raise APIError(400, f"cannot load adapter '{name}': {e}", param="lora_path") from None
+            why = str(e).removeprefix(f"adapter {name!r}: ")  # the loader's messages name it too
+            raise APIError(400, f"cannot load adapter '{name}': {why}", param="lora_path") from None
         if max_lora_rank is not None and adapter.rank > max_lora_rank:
             raise APIError(400, f"adapter '{name}' has rank {adapter.rank} > the server's max LoRA "
                                 f"rank {max_lora_rank} (--max-lora-rank)", param="lora_path")
@@ -157,8 +159,14 @@ def _install_error_handlers(app: FastAPI):
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, e: RequestValidationError):
-        # OpenAI answers 400 (not FastAPI's 422), naming the first bad field.
+    async def invalid_request(request: Request, e: RequestValidationError):
+        # OpenAI answers 400 (not FastAPI's 422), naming the first bad field; a body that is not
+        # JSON by its Content-Type gets 415, as vLLM answers.
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.method == "POST" and kind != "application/json":
+            message = f"Content-Type {kind or 'none'!r}: the request body must be application/json"
+            return JSONResponse(APIError(415, message, code="unsupported_media_type").body(),
+                                status_code=415)
         errors = e.errors()
         if errors and errors[0].get("type") == "json_invalid":
             error = errors[0].get("ctx", {}).get("error", "JSON decode error")
@@ -167,7 +175,7 @@ def _install_error_handlers(app: FastAPI):
         if paths == [""] and errors[0].get("type") in ("model_attributes_type", "dict_type"):
             message = "the request body must be a JSON object sent as Content-Type: application/json"
         else:
-            message = "; ".join(f"{path or 'body'}: {err['msg'].removeprefix('Value error, ')}"
+            message = "; ".join((f"{path}: " if path else "") + err["msg"].removeprefix("Value error, ")
                                 for path, err in zip(paths[:3], errors))
         param = paths[0].split(".")[0] if paths and paths[0] else None
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)

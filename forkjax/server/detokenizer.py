@@ -12,9 +12,10 @@ REPLACEMENT = "\ufffd"  # what decoding an incomplete UTF-8 sequence ends with
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop  # the text ends with the stop string found
         self.ids: list[int] = []
         self.text = ""  # everything decoded so far (final for the consumed ids)
         self.emitted = 0  # len of the prefix of `text` already returned
@@ -39,9 +40,11 @@ class IncrementalDetokenizer:
         if self.stop:
             longest = max(map(len, self.stop))
             start = max(0, self.emitted - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, i + len(s) if self.include_stop else i)
+                    for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text, end, self.stopped = self.text[:min(hits)], min(hits), True
+                end = min(hits)[1]
+                self.text, self.stopped = self.text[:end], True
             elif not final:
                 end -= self._stop_prefix_len(longest)
         out = self.text[self.emitted:end]

@@ -10,6 +10,11 @@ meanwhile the loop keeps stepping, so every other stream keeps flowing; requests
 adapter that arrive during the wait are held and admitted after the change (a removed adapter
 then answers "unknown"). A request that fans out to the adapter (writes its residual KV) counts
 as one on it: after the swap it would write the slot's new weights under the old adapter's key.
+
+When the server stops, `stop_requests` (or `shutdown`) aborts every request the loop holds: the
+running and queued ones end with finish reason "shutdown", those held for an adapter change and
+any added later fail with ShuttingDown, so every client gets an answer rather than a cut
+connection.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ class Output:
     """New tokens of one request since its last Output; `finish_reason` set on the last one."""
     index: int
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "shutdown"
     error: Exception | None = None
+    logprobs: list | None = None  # per new token (logprob, top ids, top logprobs) if asked for
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,7 +61,12 @@ class RequestHandle:
     sent: int = 0  # output tokens already passed to the sink
     failure: Exception | None = None  # set when the engine itself failed under this request
     stopped: bool = False  # aborted because the HTTP side found a stop string: it ended "stop"
+    shut_down: bool = False  # aborted because the server is stopping: it ended "shutdown"
     last_token_at: float | None = None  # time.monotonic() when its last tokens were published
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: the request was not admitted."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,6 +85,7 @@ class EngineLoop:
         self._live: dict[int, RequestHandle] = {}  # seq.id -> handle
         self._barriers: list[_Barrier] = []
         self._closing = False
+        self._stopping = False  # requests are refused: the server is stopping
         # Read by the HTTP side without locks: replaced whole, never mutated in place.
         self.adapters: dict[str, str] = self._adapter_sources()
         self.generation_tokens = 0
@@ -86,9 +98,15 @@ class EngineLoop:
     def start(self):
         self._thread.start()
 
+    def stop_requests(self):
+        """Abort every request, as the server stops: running and queued ones end "shutdown";
+        those held for an adapter change, and any added from now on, fail with ShuttingDown."""
+        self._commands.put((self._stop_requests, None))
+
     def shutdown(self):
-        self._closing = True
-        self._commands.put(None)
+        """Stop the thread, once the requests it holds have ended as `stop_requests` says."""
+        self.stop_requests()
+        self._commands.put((self._close, None))
         self._thread.join(timeout=10)
 
     @property
@@ -138,8 +156,6 @@ class EngineLoop:
             except queue.Empty:
                 return
             block = False
-            if item is None:
-                return
             fn, fut = item
             try:
                 result = fn()
@@ -153,6 +169,9 @@ class EngineLoop:
                     fut.set_result(result)
 
     def _add(self, handles: list[RequestHandle], fut: concurrent.futures.Future):
+        if self._stopping:
+            fut.set_exception(ShuttingDown())
+            return
         held = next((b for b in self._barriers if any(self._uses(h, b.name) for h in handles)), None)
         if held is not None:
             held.held.append((handles, fut))
@@ -181,6 +200,22 @@ class EngineLoop:
                 h.stopped = stop
                 self.engine.abort(h.seq)
 
+    def _stop_requests(self):
+        self._stopping = True
+        for h in self._live.values():
+            h.shut_down = True
+            try:
+                self.engine.abort(h.seq)
+            except Exception:
+                log.exception("could not abort request %d", h.seq.id)
+        for b in self._barriers:
+            for _, fut in b.held:
+                fut.set_exception(ShuttingDown())
+            b.held.clear()
+
+    def _close(self):
+        self._closing = True  # the loop ends after publishing what the aborts finished
+
     def _fail_all(self, error: Exception):
         for h in self._live.values():
             h.failure = error
@@ -201,7 +236,8 @@ class EngineLoop:
                 self._observe_tokens(h, len(new), now)
             h.sent += len(new)
             self.generation_tokens += len(new)
-            out = Output(h.index, list(new))
+            out = Output(h.index, list(new), logprobs=None if h.params.logprobs is None
+                         else seq.output_logprobs[h.sent - len(new):h.sent])
             if done:
                 del self._live[sid]
                 self.latency["e2e_request_latency_seconds"].observe(now - seq.arrival)
@@ -212,6 +248,8 @@ class EngineLoop:
                     out.finish_reason, out.error = "error", h.failure
                 elif h.stopped and out.finish_reason == "abort":
                     out.finish_reason = "stop"
+                elif h.shut_down and out.finish_reason == "abort":
+                    out.finish_reason = "shutdown"
                 self.finished[out.finish_reason] += 1
             try:
                 h.sink(out)

@@ -12,10 +12,11 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_STOP,
-                                       MAX_STOP_CHARS, OpenAIRequest, StrictBody)
+from forkjax.engine.sequence import MAX_LOGPROBS
+from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
+                                       MAX_STOP, MAX_STOP_CHARS, OpenAIRequest, StrictBody)
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -40,6 +41,13 @@ class APIError(Exception):
                                              param=self.param, code=self.code)).model_dump()
 
 
+def shutting_down() -> APIError:
+    """The answer to a request the server stopped before it finished: 503, which clients may
+    retry elsewhere."""
+    return APIError(503, "the server is shutting down: the request was aborted before it finished",
+                    type="server_error", code="server_shutting_down")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
@@ -61,7 +69,12 @@ class _Sampling(OpenAIRequest):
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=100, allow_inf_nan=False,
+                                             description="vLLM: 1 is off")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (a string) -> a bias in [-100, 100]")
+    min_tokens: int = Field(0, ge=0, description="vLLM: stop tokens are masked until this many are out")
+    include_stop_str_in_output: bool = Field(False, description="vLLM: keep the stop string")
     session_id: str | None = Field(
         None, min_length=1, max_length=MAX_ID_CHARS,
         description="forkjax: the requests of one workflow share it: the server admits whole "
@@ -100,14 +113,30 @@ class _Sampling(OpenAIRequest):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, token ids, or a batch of either")
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool | None = False
-    logprobs: int | None = None
+    echo: bool = Field(False, description="the prompt precedes the completion in text and logprobs")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: the prompt scored alone")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM: each prompt token's logprob and its "
+                                                 "most likely alternatives, in the choice")
     best_of: int | None = None
     suffix: str | None = None
 
-    neutral_values = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",),
-                      "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)}
+    neutral_values = {"best_of": (1,), "suffix": ("",)}
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_with_echo(cls, v, info: ValidationInfo):
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens=0 needs echo: true (the prompt's logprobs alone)")
+        return v
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """Alternatives each prompt token's logprob lists, or None: the prompt is not scored."""
+        if self.prompt_logprobs is not None:
+            return max(self.prompt_logprobs, self.logprobs or 0)
+        return self.logprobs if self.echo else None
 
 
 class TextContent(BaseModel):
@@ -140,19 +169,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: ResponseFormat | None = None
 
-    neutral_values = {"logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
-                      "tool_choice": ("none", "auto"), "presence_penalty": (0,),
-                      "frequency_penalty": (0,), "logit_bias": ({},)}
+    neutral_values = {"tools": ([],), "tool_choice": ("none", "auto")}
 
     @model_validator(mode="after")
     def _check_format(self):
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format type {self.response_format.type!r} is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     @property
@@ -185,10 +214,41 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: per token, its text, its offset in the choice's text,
+    its logprob and the most likely alternatives (text -> logprob)."""
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omitted_if_none(
+        description="vLLM: with prompt_logprobs, per prompt token (the first: null)")
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
     prompt_token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
@@ -211,7 +271,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 
@@ -219,7 +279,7 @@ class ChatChoice(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 

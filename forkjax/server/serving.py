@@ -18,13 +18,20 @@ from fastapi.responses import Response
 
 from forkjax.engine.sequence import SamplingParams
 from forkjax.server.chat_template import chat_prompt_ids
-from forkjax.server.engine_loop import EngineLoop, RequestHandle
+from forkjax.server.engine_loop import EngineLoop, RequestHandle, ShuttingDown
 from forkjax.server.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-    UsageInfo)
-from forkjax.server.streaming import Generation, gather, sse, unless_disconnected
+    UsageInfo, shutting_down)
+from forkjax.server.logprobs import (chat_logprobs, completion_logprobs, echoed, score_entries,
+                                     vllm_prompt_logprobs)
+from forkjax.server.streaming import Generation, PromptOnly, gather, sse, unless_disconnected
 from forkjax.server.validation import MAX_CHOICES
+
+
+def _listed(prompt) -> list:
+    """The request's prompts as sent: one text or id list, or a batch of them."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
 
 
 def _unknown_fanout(name: str) -> APIError:
@@ -76,15 +83,37 @@ class OpenAIServing:
     def sampling(self, req, max_tokens: int, sample: int) -> SamplingParams:
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         seed = random.getrandbits(32) if req.seed is None else req.seed + sample
+        if isinstance(req, ChatCompletionRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
                 temperature=float(1.0 if req.temperature is None else req.temperature),
                 top_p=float(1.0 if req.top_p is None else req.top_p),
                 top_k=min(top_k, self.vocab_size), seed=seed & 0xFFFFFFFF,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                presence_penalty=float(req.presence_penalty or 0),
+                frequency_penalty=float(req.frequency_penalty or 0),
+                repetition_penalty=float(req.repetition_penalty or 1), min_tokens=req.min_tokens,
+                logit_bias=self.logit_bias(req.logit_bias), logprobs=logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} -> ((id, bias), ...), or 400 naming the bad entry."""
+        out = []
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size or not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias: {key!r}: {value!r}: expected a token id in [0, "
+                                    f"{self.vocab_size}) and a bias in [-100, 100]", param="logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
 
     async def start(self, req, adapter: str | None, prompts: list[list[int]],
                     max_tokens: list[int]) -> Generation:
@@ -97,9 +126,12 @@ class OpenAIServing:
                                  session_tokens=req.session_tokens, cache_salt=req.cache_salt,
                                  fanout_adapters=fanout)
                    for i, (ids, budget) in enumerate(zip(prompts, max_tokens)) for j in range(req.n)]
-        gen = Generation(self.loop, handles, queue, self.tokenizer, req.stop_strings)
+        gen = Generation(self.loop, handles, queue, self.tokenizer, req.stop_strings,
+                         req.include_stop_str_in_output)
         try:
             await asyncio.wrap_future(self.loop.add(handles))
+        except ShuttingDown:
+            raise shutting_down() from None
         except KeyError:  # unloaded between our checks and the engine's
             if not fanout or (adapter is not None and adapter not in self.loop.adapters):
                 raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
@@ -114,8 +146,7 @@ class OpenAIServing:
     # ---- /v1/completions ------------------------------------------------------------------
 
     def completion_prompts(self, prompt, n: int) -> list[list[int]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
+        prompt = _listed(prompt)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         if len(prompt) * n > MAX_CHOICES:
@@ -136,12 +167,31 @@ class OpenAIServing:
             out.append(list(p))
         return out
 
+    async def score_prompts(self, req: CompletionRequest, adapter, prompts) -> list | None:
+        """Per prompt, its tokens' logprob entries (logprobs.score_entries), when echo or
+        prompt_logprobs asks for them: an `Engine.score` call on the engine thread."""
+        k = req.scores_prompt
+        if k is None:
+            return None
+        out = []
+        for p in prompts:
+            try:
+                logits = await asyncio.wrap_future(self.loop.call(
+                    lambda p=p: self.loop.engine.score(p, adapter, cache_salt=req.cache_salt)))
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from None
+            out.append(await asyncio.to_thread(score_entries, logits, p, k))
+        return out
+
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         adapter = self.adapter_for(req.model)
         prompts = self.completion_prompts(req.prompt, req.n)
-        budgets = [self.max_tokens(req.max_tokens, len(p), "prompt") for p in prompts]
-        gen = await self.start(req, adapter, prompts, budgets)
+        budgets = [self.max_tokens(req.max_tokens or 1, len(p), "prompt") for p in prompts]
+        scores = await self.score_prompts(req, adapter, prompts)
+        gen = (await self.start(req, adapter, prompts, budgets) if req.max_tokens != 0
+               else PromptOnly(len(prompts) * req.n))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = [self.echo_text(p, ids) for p, ids in zip(_listed(req.prompt), prompts)] if req.echo else None
         token_ids = req.return_token_ids or self.tokenizer is None
         usage = lambda n: UsageInfo(prompt_tokens=sum(map(len, prompts)), completion_tokens=n,  # noqa: E731
                                     total_tokens=sum(map(len, prompts)) + n)
@@ -150,26 +200,60 @@ class OpenAIServing:
             return CompletionResponse(id=rid, created=created, model=req.model or self.model_name,
                                       choices=choices, usage=usage)
 
+        def logprobs(e, offset=0):
+            return (None if req.logprobs is None
+                    else completion_logprobs(self.tokenizer, e.token_ids, e.logprobs, offset))
+
+        def head(i: int) -> CompletionChoice:
+            """Choice i's echo (with its logprobs) and vLLM's prompt_logprobs, no completion."""
+            p = i // req.n
+            lp = (echoed(self.tokenizer, prompts[p], scores[p], None)
+                  if echo and req.logprobs is not None else None)
+            return CompletionChoice(index=i, text=echo[p] if echo else "", logprobs=lp, prompt_logprobs=(
+                vllm_prompt_logprobs(self.tokenizer, prompts[p], scores[p])
+                if req.prompt_logprobs is not None else None))
+
         if req.stream:
             async def chunks():
-                n = 0
-                async for i, text, ids, reason in gen.events():
-                    n += len(ids)
-                    if text or reason or token_ids:
-                        yield response([CompletionChoice(index=i, text=text, finish_reason=reason,
-                                                         token_ids=ids if token_ids else None)])
+                n, offsets = 0, [0] * len(gen.handles)
+                for i in range(len(gen.handles) if echo or scores else 0):
+                    first = head(i)
+                    lp = first.logprobs
+                    offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp else len(first.text)
+                    yield response([first])
+                async for e in gen.events():
+                    n += len(e.token_ids)
+                    if e.text or e.finish_reason or token_ids or (e.token_ids and req.logprobs is not None):
+                        lp = logprobs(e, offsets[e.index])
+                        if lp is not None and lp.tokens:
+                            offsets[e.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+                        yield response([CompletionChoice(
+                            index=e.index, text=e.text, finish_reason=e.finish_reason, logprobs=lp,
+                            token_ids=e.token_ids if token_ids else None)])
                 if req.stream_options and req.stream_options.include_usage:
                     yield response([], usage(n))
             return sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = await gather(gen)
-            choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],
-                                        token_ids=ids[i] if token_ids else None,
-                                        prompt_token_ids=h.prompt if req.return_token_ids else None)
-                       for i, h in enumerate(gen.handles)]
-            return response(choices, usage(sum(map(len, ids))))
+            done = await gather(gen)
+            choices = []
+            for i, e in enumerate(done):
+                c = head(i)
+                lp = logprobs(e)
+                if c.logprobs is not None:
+                    lp = echoed(self.tokenizer, prompts[i // req.n], scores[i // req.n], lp)
+                choices.append(c.model_copy(update=dict(
+                    text=c.text + e.text, finish_reason=e.finish_reason, logprobs=lp,
+                    token_ids=e.token_ids if token_ids else None,
+                    prompt_token_ids=prompts[i // req.n] if req.return_token_ids else None)))
+            return response(choices, usage(sum(len(e.token_ids) for e in done)))
         return await unless_disconnected(raw, collect(), gen)
+
+    def echo_text(self, given, ids: list[int]) -> str:
+        """The prompt as echoed: the text sent, or its token ids decoded."""
+        if isinstance(given, str):
+            return given
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     # ---- /v1/chat/completions -------------------------------------------------------------
 
@@ -184,6 +268,8 @@ class OpenAIServing:
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or self.model_name
         usage = lambda n: UsageInfo(prompt_tokens=len(prompt), completion_tokens=n,  # noqa: E731
                                     total_tokens=len(prompt) + n)
+        logprobs = lambda e: (chat_logprobs(self.tokenizer, e.token_ids, e.logprobs)  # noqa: E731
+                              if req.logprobs else None)
 
         if req.stream:
             def chunk(choices, usage=None):
@@ -194,23 +280,24 @@ class OpenAIServing:
                     first = ChatResponseMessage(role="assistant", content="")
                     yield chunk([ChatStreamChoice(index=i, delta=first)])
                 n = 0
-                async for i, text, ids, reason in gen.events():
-                    n += len(ids)
-                    if text or reason or req.return_token_ids:
-                        delta = ChatResponseMessage(content=text if text else None)
-                        yield chunk([ChatStreamChoice(index=i, delta=delta, finish_reason=reason,
-                                                      token_ids=ids if req.return_token_ids else None)])
+                async for e in gen.events():
+                    n += len(e.token_ids)
+                    if e.text or e.finish_reason or req.return_token_ids or (e.token_ids and req.logprobs):
+                        delta = ChatResponseMessage(content=e.text if e.text else None)
+                        yield chunk([ChatStreamChoice(
+                            index=e.index, delta=delta, finish_reason=e.finish_reason, logprobs=logprobs(e),
+                            token_ids=e.token_ids if req.return_token_ids else None)])
                 if req.stream_options and req.stream_options.include_usage:
                     yield chunk([], usage(n))
             return sse(chunks(), gen)
 
         async def collect():
-            texts, ids, reasons = await gather(gen)
-            choices = [ChatChoice(index=i, message=ChatResponseMessage(role="assistant", content=texts[i]),
-                                  finish_reason=reasons[i],
-                                  token_ids=ids[i] if req.return_token_ids else None)
-                       for i in range(len(gen.handles))]
+            done = await gather(gen)
+            choices = [ChatChoice(index=e.index, message=ChatResponseMessage(role="assistant", content=e.text),
+                                  finish_reason=e.finish_reason, logprobs=logprobs(e),
+                                  token_ids=e.token_ids if req.return_token_ids else None)
+                       for e in done]
             return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                          usage=usage(sum(map(len, ids))),
+                                          usage=usage(sum(len(e.token_ids) for e in done)),
                                           prompt_token_ids=prompt if req.return_token_ids else None)
         return await unless_disconnected(raw, collect(), gen)

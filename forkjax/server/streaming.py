@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import AsyncIterator
@@ -20,28 +21,41 @@ from fastapi.responses import Response, StreamingResponse
 
 from forkjax.server.detokenizer import IncrementalDetokenizer
 from forkjax.server.engine_loop import EngineLoop, RequestHandle
-from forkjax.server.protocol import APIError
+from forkjax.server.protocol import APIError, shutting_down
 
 SSE_DONE = "data: [DONE]\n\n"
 log = logging.getLogger("forkjax.serve")
+
+
+@dataclasses.dataclass
+class Event:
+    """New output of one choice: text, token ids, (logprob, top ids, top logprobs) per token
+    when asked for, and the finish reason on its last."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None
 
 
 class Generation:
     """The running choices of one HTTP request."""
 
     def __init__(self, loop: EngineLoop, handles: list[RequestHandle], queue: asyncio.Queue,
-                 tokenizer, stop: list[str]):
+                 tokenizer, stop: list[str], include_stop: bool = False):
         self.loop, self.handles, self.queue = loop, handles, queue
-        self.detok = [IncrementalDetokenizer(tokenizer, stop) for _ in handles]
+        self.detok = [IncrementalDetokenizer(tokenizer, stop, include_stop) for _ in handles]
         self.open = set(range(len(handles)))
 
-    async def events(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
-        """(choice, new text, new token ids, finish reason | None) until every choice ends."""
+    async def events(self) -> AsyncIterator[Event]:
+        """The choices' new outputs until every choice ends."""
         while self.open:
             out = await self.queue.get()
             i = out.index
             if i not in self.open:
                 continue  # a choice cut by a stop string: the tail of its abort
+            if out.finish_reason == "shutdown":
+                raise shutting_down()
             if out.finish_reason in ("error", "abort"):
                 raise _engine_error(out.error)
             d = self.detok[i]
@@ -52,7 +66,7 @@ class Generation:
                 self.loop.abort([self.handles[i]], stop=True)
             if reason is not None:
                 self.open.discard(i)
-            yield i, text, out.token_ids, reason
+            yield Event(i, text, out.token_ids, reason, out.logprobs)
 
     def close(self):
         """Abort the choices still running (the client left, or the request failed)."""
@@ -61,21 +75,37 @@ class Generation:
             self.open.clear()
 
 
+class PromptOnly:
+    """A Generation with nothing to generate (a prompt scored alone: max_tokens 0 with echo):
+    each choice ends at once."""
+
+    def __init__(self, choices: int):
+        self.handles = [None] * choices
+
+    async def events(self) -> AsyncIterator[Event]:
+        for i in range(len(self.handles)):
+            yield Event(i, "", [], "length", [])
+
+    def close(self):
+        pass
+
+
 def _engine_error(error: Exception | None) -> APIError:
     if isinstance(error, ValueError):  # e.g. the request stopped fitting the KV cache
         return APIError(400, str(error))
     return APIError(500, f"the engine failed while serving this request: {error!r}", type="server_error")
 
 
-async def gather(gen: Generation):
-    """Run a non-streaming request to the end -> (texts, token ids, finish reasons) per choice."""
-    n = len(gen.handles)
-    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
-    async for i, text, new, reason in gen.events():
-        texts[i] += text
-        ids[i] += new
-        reasons[i] = reason
-    return texts, ids, reasons
+async def gather(gen: Generation) -> list[Event]:
+    """Run a non-streaming request to the end -> per choice, all of its outputs as one Event."""
+    out = [Event(i, "", [], None, []) for i in range(len(gen.handles))]
+    async for e in gen.events():
+        c = out[e.index]
+        c.text += e.text
+        c.token_ids += e.token_ids
+        c.finish_reason = e.finish_reason
+        c.logprobs += e.logprobs or []
+    return out
 
 
 def sse(chunks: AsyncIterator, gen: Generation) -> StreamingResponse:

@@ -1,17 +1,21 @@
 """The rules every request body follows, whatever its endpoint (protocol.py has the bodies).
 
-Bodies validate strictly: a wrong type is a 400, never a silent coercion ("5" is not 5), and
-strings must be valid Unicode. Unknown fields are ignored, as OpenAI and vLLM do; known OpenAI
-fields whose feature forkjax does not implement are accepted only at their neutral value, so a
-client never gets a silently different answer than it asked for. Sizes are bounded, so one
-request cannot queue unbounded work.
+Bodies validate strictly: a wrong type is a 400, never a silent coercion ("5" is not 5, though
+2.0 is the integer 2), and strings must be valid Unicode. Unknown fields are ignored and named in a warning in the log, as
+vLLM does (clients send their own extensions); known OpenAI fields whose feature forkjax does not
+implement are accepted only at their neutral value, so a client never gets a silently different
+answer than it asked for. Sizes are bounded, so one request cannot queue unbounded work.
 """
 
 from __future__ import annotations
 
+import logging
+import typing
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+log = logging.getLogger("forkjax.serve")
 
 # One request fans out to at most this many sequences (prompts x n): it bounds the work one
 # HTTP request can queue.
@@ -21,6 +25,8 @@ MAX_STOP, MAX_STOP_CHARS = 16, 256
 # Bounds on the cache fields (session_id, cache_salt, fanout_adapters): looked up per request
 # and per choice.
 MAX_ID_CHARS, MAX_FANOUT = 256, 256
+# logit_bias entries a request may carry (OpenAI's own bound).
+MAX_LOGIT_BIAS = 300
 
 
 def check_unicode(data):
@@ -42,14 +48,31 @@ def check_unicode(data):
 
 
 class StrictBody(BaseModel):
-    """A request body: strict types, unknown fields ignored, valid Unicode only."""
+    """A request body: strict types, unknown fields ignored (and logged), valid Unicode only."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
         check_unicode(data)
+        if isinstance(data, dict):
+            # JSON has one number type: 2.0 is the integer 2 (Python's json writes it so)
+            data = {k: int(v) if isinstance(v, float) and v.is_integer() and _integer_field(cls, k)
+                    else v for k, v in data.items()}
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                log.warning("%s: ignored fields the server does not know: %s", cls.__name__,
+                            ", ".join(map(repr, unknown))[:500])
         return data
+
+
+def _integer_field(model: type[BaseModel], name: str) -> bool:
+    """Whether field `name` of `model` takes an int and no float."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return False
+    types = typing.get_args(field.annotation) or (field.annotation,)
+    return int in types and float not in types
 
 
 class OpenAIRequest(StrictBody):
