@@ -151,8 +151,9 @@ def test_requests_cut_by_shutdown_get_an_error_and_the_log_no_traceback(stoppabl
     assert data[-1] == "[DONE]", data[-3:]
     assert json.loads(data[-2]) == {"error": error}  # the same error, as the stream's last event
     assert all("error" not in json.loads(d) for d in data[:-2])
-    # The drain's second, then the aborts: well before uvicorn would cancel the requests.
-    assert 1 <= answered_s < 5, answered_s
+    # The drain's second, then the aborts (uvicorn would have cancelled them 5 s later, and they
+    # would have had no error body: the shapes above show it did not come to that).
+    assert answered_s >= 1, answered_s
 
     assert proc.wait(timeout=60) == 0
     log = server.log.read_text()
