@@ -69,6 +69,22 @@ def serve(tmp_path_factory, args: list[str]):
     """Start `python -m forkjax.serve` with `args`; yield a Server once it is ready; stop it
     with SIGTERM and check that it drained and exited 0."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc, url = start_server(args, log)
+    try:
+        yield Server(url, log)
+        assert proc.poll() is None, f"the server died:\n{log.read_text()[-4000:]}"
+        proc.terminate()  # SIGTERM: a drained stop, exit status 0
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+        assert "forkjax: SIGTERM: stopping" in log.read_text() and "forkjax: stopped" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_server(args, log: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m forkjax.serve *args` logging to `log` -> (its process, its URL once ready); the
+    process is killed if it never gets there."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(REPO / ".cache" / "jax"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     with open(log, "w") as out:
@@ -80,15 +96,11 @@ def serve(tmp_path_factory, args: list[str]):
             assert proc.poll() is None, f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}"
             assert time.time() < deadline, f"server not ready in {STARTUP_S}s:\n{log.read_text()[-4000:]}"
             time.sleep(0.2)
-        yield Server(m[1], log)
-        assert proc.poll() is None, f"the server died:\n{log.read_text()[-4000:]}"
-        proc.terminate()  # SIGTERM: a drained stop, exit status 0
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-        assert "forkjax: SIGTERM: stopping" in log.read_text() and "forkjax: stopped" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, m[1]
 
 
 def complete(http: httpx.Client, **body) -> dict:
@@ -123,7 +135,6 @@ def write_peft(path: Path, *, r=8, alpha=16, targets=("q_proj", "v_proj"), hidde
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets)}))
     return path
-
 
 
 

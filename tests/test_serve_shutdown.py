@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
-from serve_utils import KEY, REPO, STARTUP_S, Server
+from serve_utils import KEY, Server, start_server
 from test_serve_engine_loop import ScriptedEngine, submit
 
 from forkjax.server.engine_loop import EngineLoop, ShuttingDown
@@ -74,18 +70,9 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 def stoppable(tmp_path):
     """(Server, process) of a `python -m forkjax.serve` that the test stops itself."""
     log = tmp_path / "server.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(REPO / ".cache" / "jax"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "forkjax.serve", *SHUTDOWN_ARGS], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc, url = start_server(SHUTDOWN_ARGS, log)
     try:
-        deadline = time.time() + STARTUP_S
-        while (m := re.search(r"forkjax: ready: .* at (http://\S+)/v1", log.read_text())) is None:
-            assert proc.poll() is None, f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.time() < deadline, f"server not ready in {STARTUP_S}s:\n{log.read_text()[-4000:]}"
-            time.sleep(0.2)
-        yield Server(m[1], log), proc
+        yield Server(url, log), proc
     finally:
         if proc.poll() is None:
             proc.kill()
