@@ -1,7 +1,7 @@
 """The benchmark's figures, in the style of ForkKV's evaluation (matplotlib, Agg: no display).
 
 throughput.png  Fig. 11: end-to-end tasks/s against concurrent workflows, one line per policy
-                (and, for runs with --total, the sustained tasks/s dashed).
+                (and, for runs with --total, the sustained or else the steady tasks/s dashed).
 breakdown.png   Fig. 14: why, per policy: (a) KV bytes per agent, (b) prefix cache hit rate
                 (base and residual pools), (c) mean decode batch size, at the largest workflow
                 count run.
@@ -18,21 +18,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_throughput(rows: list[dict], path: str, title: str):
-    """Makespan tasks/s per policy (solid); where every run has one, the sustained figure
-    (--total, results.py) dashed in the same colour."""
+    """Makespan tasks/s per policy (solid); dashed in the same colour, the sustained figure
+    (--total, results.py) where every run has one, else the steady figure where every run has
+    that (M = 2N runs have no sustained window)."""
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    sustained = all(r.get("tasks_per_s_sustained") is not None for r in rows)
+    window = next((w for w in ("sustained", "steady")
+                   if all(r.get(f"tasks_per_s_{w}") is not None for r in rows)), None)
     for policy in _policies(rows):
         pts = sorted((r["workflows"], r["tasks_per_s"]) for r in rows if r["policy"] == policy)
         line, = ax.plot(*zip(*pts), marker="o", label=policy)
-        if sustained:
-            pts = sorted((r["workflows"], r["tasks_per_s_sustained"]) for r in rows if r["policy"] == policy)
+        if window:
+            pts = sorted((r["workflows"], r[f"tasks_per_s_{window}"]) for r in rows if r["policy"] == policy)
             ax.plot(*zip(*pts), marker="x", linestyle="--", color=line.get_color())
     ax.set_xscale("log", base=2)
     counts = sorted({r["workflows"] for r in rows})
     ax.set_xticks(counts, [str(n) for n in counts])
     ax.set_xlabel("concurrent workflows")
-    ax.set_ylabel("tasks/s" + (" (dashed: sustained)" if sustained else ""))
+    ax.set_ylabel("tasks/s" + (f" (dashed: {window})" if window else ""))
     ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
