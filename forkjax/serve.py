@@ -118,10 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-, chunking- and cache-invariant logits: one program per step kind "
                         "(slower: BENCHMARKS.md, deterministic mode)")
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
-                   help="KV cache budget, e.g. 2G (default: 80%% of free device memory; 256M on CPU)")
+                   help="KV cache budget, e.g. 2G (default: 90%% of free device memory less the largest "
+                        "step's workspace; 256M on CPU)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
     p.add_argument("--max-batch-size", type=int, default=None,
-                   help="running requests at most (default: 64 on GPU, 16 on CPU)")
+                   help="running requests at most (default: 256 on a GPU of 40 GiB or more, 128 from 16 "
+                        "GiB, else 64; 16 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="prompt tokens per prefill step (%(default)s)")

@@ -24,6 +24,7 @@ import numpy as np
 import forkjax
 import timing  # scripts/ is on sys.path when this script runs
 from forkjax.config import ModelConfig
+from forkjax.engine.memory import step_workspace_bytes
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 from forkjax.pallas_kernels.paged_attention import triton as triton_attention
@@ -103,8 +104,9 @@ def main():
     ap.add_argument("--target-programs", type=int,
                     help="programs the decode kernels' split-K heuristic aims for (default 1024)")
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9,
-                    help="KV pool budget (a smaller pool than the default 80%% of HBM compiles faster)")
+                    help="KV pool budget (a smaller pool than the engine's default compiles faster)")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
     adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
     if args.target_programs:  # read when the steps are traced, i.e. after this
@@ -115,7 +117,8 @@ def main():
     bw = timing.copy_bandwidth()[0]
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
-                                            cache_policy=args.policy, max_batch_size=64,
+                                            cache_policy=args.policy,
+                                            max_batch_size=max(64, *batches),
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
                                             overlap=not args.no_overlap,
                                             deterministic=args.deterministic)
@@ -133,13 +136,19 @@ def main():
             json.dump(result, f, indent=1)
 
     save("load_s")
-    for b in args.batches.split(","):
+    for b in batches:
         t = time.perf_counter()
-        result["decode"].append(decode_bench(engine, int(b), args.context, args.steps, cfg, bw))
+        result["decode"].append(decode_bench(engine, b, args.context, args.steps, cfg, bw))
         result["decode"][-1]["section_s"] = time.perf_counter() - t
         save("decode")
     result["prefill"] = prefill_bench(engine, cfg, args.prefill_tokens)
     save("prefill")
+    # The largest temporaries XLA allocated for a program this run used, beside the bound the
+    # engine sets aside for them when it sizes a default KV pool (engine/memory.py).
+    temps = [exe.memory_analysis().temp_size_in_bytes for exe in engine.runner._exes.values()]
+    result["workspace"] = dict(compiled_max_bytes=max(temps), estimate_bytes=step_workspace_bytes(
+        cfg, engine.scheduler.max_batch_size, engine.scheduler.max_prefill_tokens))
+    save("workspace")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import jax
 from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
+from forkjax.engine import memory
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.model_runner import Launched, ModelRunner
 from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
@@ -31,8 +32,6 @@ from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slots import AdapterSlots, slot_rank
-
-DEFAULT_CPU_KV_BYTES = 256 << 20
 
 
 class EngineCore:
@@ -50,14 +49,16 @@ class EngineCore:
         on_gpu = jax.default_backend() == "gpu"
         self.slots = AdapterSlots(cfg.max_loras)
         rank = self.max_lora_rank = slot_rank(model)
+        limit, in_use = memory.device_memory()
+        max_batch = cfg.max_batch_size or memory.default_max_batch_size(on_gpu, limit)
+        kv_bytes = cfg.kv_cache_bytes or memory.default_kv_cache_bytes(
+            on_gpu, limit - in_use, memory.step_workspace_bytes(model_cfg, max_batch, max_prefill_tokens))
         layout = PoolLayout.from_budget(
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
-            kv_cache_bytes=cfg.kv_cache_bytes or _default_kv_bytes(on_gpu),
-            policy=cfg.cache_policy, dtype=cfg.dtype, residual_fraction=cfg.residual_fraction,
-            residual_copies=residual_copies)
+            kv_cache_bytes=kv_bytes, policy=cfg.cache_policy, dtype=cfg.dtype,
+            residual_fraction=cfg.residual_fraction, residual_copies=residual_copies)
         self.cache = DualRadixCache.from_layout(layout)
-        max_batch = cfg.max_batch_size or (64 if on_gpu else 16)
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
                           fixed=cfg.deterministic)
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
@@ -234,10 +235,3 @@ def _check_ttl(ttl_s) -> float:
         raise ValueError(f"session_ttl_s={ttl_s!r}: expected finite seconds >= 0")
     return float(ttl_s)
 
-
-def _default_kv_bytes(on_gpu: bool) -> int:
-    if not on_gpu:
-        return DEFAULT_CPU_KV_BYTES
-    mem = jax.devices()[0].memory_stats() or {}
-    free = mem.get("bytes_limit", 0) - mem.get("bytes_in_use", 0)
-    return max(int(free * 0.8), DEFAULT_CPU_KV_BYTES)

@@ -185,11 +185,12 @@ class ModelRunner:
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape).
         self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32)
         # What a step program depends on besides the model's structure and its bucket shape
-        # (COMPILER's keys); shapes never change.
+        # (COMPILER's keys): every array argument's shape and dtype but the inputs' (the bucket
+        # shape's), so that engines of other batch sizes or pools never share a program.
         avals = lambda tree: (jax.tree.structure(tree), tuple(  # noqa: E731
             (x.shape, x.dtype.name) for x in jax.tree.leaves(tree)))
-        self._program = HashOnce((avals(self.state_leaves), avals(self.pools), self.residual,
-                                  use_pallas))
+        self._program = HashOnce((avals(self.state_leaves), avals(self.pools),
+                                  avals(self.prev_tokens), self.residual, use_pallas))
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()

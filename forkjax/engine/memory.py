@@ -1,0 +1,65 @@
+"""What the device's memory allows by default: how many sequences run at once (vLLM's
+`max_num_seqs`) and the KV budget, which is the free memory less the largest step's workspace.
+
+The workspace is set aside before the pools are sized, because a step's temporaries (the
+logits of its sampled rows, a scoring request's logits of every token, the activations of a
+full prefill chunk, the extend kernels' merged K/V) are allocated only when the step runs: a
+pool that took their room would make the first large step fail with an out-of-memory error
+long after start-up.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from forkjax.config import ModelConfig
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+CPU_MAX_BATCH = 16
+# (least device memory, max_batch_size): a device of 40 GiB or more (A100-40G and up) runs 256
+# sequences at once, as vLLM and SGLang do; smaller ones fewer, so that the KV pool left over
+# still holds a useful context per sequence.
+GPU_MAX_BATCH = ((40 << 30, 256), (16 << 30, 128), (0, 64))
+# Share of the free device memory the engine takes (vLLM's gpu_memory_utilization): the rest
+# is for XLA's allocator (fragmentation) and what the process allocates later.
+MEMORY_UTILIZATION = 0.9
+# The extend kernels rebuild merged K/V in HBM for chunks whose page tables span at most this
+# many slots (kernels' materialising path); a larger span streams and needs no workspace.
+MATERIALISED_SLOTS = 64 << 10
+
+
+def device_memory() -> tuple[int, int]:
+    """(bytes the allocator may hand out, bytes in use) of the first device; (0, 0) where the
+    platform does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+
+
+def default_max_batch_size(on_gpu: bool, device_bytes: int) -> int:
+    if not on_gpu:
+        return CPU_MAX_BATCH
+    return next(b for least, b in GPU_MAX_BATCH if device_bytes >= least)
+
+
+def step_workspace_bytes(cfg: ModelConfig, max_batch_size: int, max_prefill_tokens: int) -> int:
+    """An upper bound of the device temporaries of the largest step, float32 throughout (the
+    logits are; activations are bf16 by default): the sampled rows' logits and their processing
+    (three [B, vocab] arrays), a scoring step's logits and log-probabilities of every token
+    ([T, vocab] twice), hidden states returned for every layer ([L + 1, T, d]), one layer's
+    activations at T tokens (q|k|v, gate|up, the MLP's product, three [T, d]), and the merged
+    K/V an extend kernel may rebuild for one layer."""
+    f32, t, v, d = 4, max_prefill_tokens, cfg.vocab_size, cfg.hidden_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    logits = 3 * max_batch_size * v * f32 + 2 * t * v * f32
+    hidden = (cfg.num_layers + 1) * t * d * f32
+    layer = t * (qkv + 3 * cfg.intermediate_size + 3 * d) * f32
+    merged_kv = 2 * MATERIALISED_SLOTS * cfg.num_kv_heads * cfg.head_dim * f32
+    return logits + hidden + layer + merged_kv
+
+
+def default_kv_cache_bytes(on_gpu: bool, free_bytes: int, workspace_bytes: int) -> int:
+    """The KV budget: MEMORY_UTILIZATION of the free device memory less the step workspace
+    (DEFAULT_CPU_KV_BYTES on a CPU, and at least that anywhere)."""
+    if not on_gpu:
+        return DEFAULT_CPU_KV_BYTES
+    return max(int(free_bytes * MEMORY_UTILIZATION) - workspace_bytes, DEFAULT_CPU_KV_BYTES)

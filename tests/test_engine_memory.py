@@ -1,0 +1,58 @@
+"""The defaults the device's memory sets (engine/memory.py): the batch by platform and device
+size, the KV budget less the step workspace, and the workspace bound against what XLA actually
+allocates for the largest programs of a real engine."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import forkjax
+from forkjax.config import ModelConfig
+from forkjax.engine import memory
+from forkjax.models.builtin import BUILTIN_CONFIGS
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("on_gpu,device_bytes,want", [
+    (False, 0, 16), (True, 141 * GIB, 256), (True, 40 * GIB, 256), (True, 24 * GIB, 128),
+    (True, 8 * GIB, 64)])
+def test_default_batch_by_platform(on_gpu, device_bytes, want):
+    assert memory.default_max_batch_size(on_gpu, device_bytes) == want
+
+
+def test_cpu_engine_defaults():
+    with forkjax.Engine.from_pretrained("tiny-llama", warmup=False, progress=False) as engine:
+        assert engine.scheduler.max_batch_size == memory.CPU_MAX_BATCH
+        assert engine.runner.buckets.decode_sizes == [1, 2, 4, 8, 16]
+        assert engine.runner.layout.nbytes <= memory.DEFAULT_CPU_KV_BYTES
+
+
+def test_kv_budget_sets_the_workspace_aside():
+    llama = ModelConfig.from_hf(BUILTIN_CONFIGS["llama3.1-8b-random"])
+    ws = memory.step_workspace_bytes(llama, 256, 2048)
+    # Llama-3-8B at batch 256 and 2,048-token chunks: a scoring chunk's [2048, 128256] float32
+    # logits twice (2.1 GB) dominate; the whole is a few GB, small beside an H200's ~90 GB free.
+    assert 2.1e9 < ws < 6e9
+    free = 90 * GIB
+    assert memory.default_kv_cache_bytes(True, free, ws) == int(free * memory.MEMORY_UTILIZATION) - ws
+    assert memory.default_kv_cache_bytes(True, ws, ws) == memory.DEFAULT_CPU_KV_BYTES
+    assert memory.default_kv_cache_bytes(False, free, ws) == memory.DEFAULT_CPU_KV_BYTES
+    # More rows, more workspace.
+    assert memory.step_workspace_bytes(llama, 64, 2048) < ws < memory.step_workspace_bytes(llama, 256, 8192)
+
+
+def test_workspace_bounds_the_compiled_programs():
+    """XLA's temporary bytes of every program an engine ran, a scoring program (every token's
+    logits and hidden states) included, stay within the estimate."""
+    kw = dict(dtype="float32", max_batch_size=8, max_prefill_tokens=128, max_model_len=256,
+              kv_cache_bytes=8 << 20, progress=False, warmup=False)
+    with forkjax.Engine.from_pretrained("tiny-llama", **kw) as engine:
+        engine.score(list(range(1, 200)), return_hidden_states=True)  # two chunks
+        engine.generate(["Hello"] * 8, max_new_tokens=2)
+        exes = engine.runner._exes  # {(kind, B, C, W, all_logits, hidden, fanout): executable}
+        assert any(shape[4] and shape[5] for shape in exes) and any(s[0] == "decode" for s in exes)
+        temps = [exe.memory_analysis().temp_size_in_bytes for exe in exes.values()]
+        bound = memory.step_workspace_bytes(engine.model_cfg, 8, 128)
+    assert jax.default_backend() == "cpu" and 0 < max(temps) <= bound

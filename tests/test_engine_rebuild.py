@@ -1,0 +1,48 @@
+"""Engines of one model built one after another in one process (a batch-size sweep, a server
+rebuilding its engine) share compiled step programs (engine/compiler.py); each must get programs
+of its own shapes. Every engine here differs from the one before in one setting, runs a greedy
+request, and must answer as a fresh process would: the float32 engines all give the first one's
+tokens (one request alone: no batch-dependent rounding, no sharing between agents)."""
+
+from __future__ import annotations
+
+import pytest
+
+import forkjax
+
+BASE = dict(dtype="float32", max_prefill_tokens=64, max_model_len=256, max_batch_size=8,
+            kv_cache_bytes=16 << 20, progress=False, warmup=False)
+# Each differs from BASE in what a step program's arguments are shaped by.
+VARIANTS = {
+    "max_batch_size 8": {},
+    "max_batch_size 4": dict(max_batch_size=4),
+    "max_batch_size 2, prefix": dict(max_batch_size=2, cache_policy="prefix"),
+    "max_prefill_tokens 32": dict(max_prefill_tokens=32),
+    "a smaller pool": dict(kv_cache_bytes=8 << 20),
+    "max_batch_size 16, full_reuse": dict(max_batch_size=16, cache_policy="full_reuse"),
+    "forkkv+fanout": dict(residual_fanout=True),
+    "fewer adapter slots, a larger rank": dict(max_loras=4, max_lora_rank=32),
+}
+PROMPTS = ["The quick brown fox", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def answers():
+    """{variant: greedy tokens}, the engines built and run in this one order in one process."""
+    out = {}
+    for name, kw in VARIANTS.items():
+        with forkjax.Engine.from_pretrained("tiny-llama", **dict(BASE, **kw)) as engine:
+            out[name] = [engine.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
+    with forkjax.Engine.from_pretrained("tiny-llama", **dict(BASE, dtype="bfloat16")) as engine:
+        out["bfloat16"] = [engine.generate([p], max_new_tokens=6)[0] for p in PROMPTS]
+    return out
+
+
+def test_every_engine_runs_with_its_own_programs(answers):
+    first = answers["max_batch_size 8"]
+    for name in VARIANTS:
+        assert answers[name] == first, name
+
+
+def test_bfloat16_engine_after_float32_engines(answers):
+    assert all(len(a) > 0 for a in answers["bfloat16"])
