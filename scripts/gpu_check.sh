@@ -7,6 +7,9 @@
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
 #   det     bench_engine.py --deterministic, B = 1, 16, 64          engine_det.*       ~2 min
 #           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
+#   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
+#           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
+#   rebuild engines of other shapes in one process; memory defaults  rebuild.log       ~1 min
 #   hardening  deterministic-mode and isolation tests on the Pallas  hardening.log      ~2 min
 #           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
@@ -50,6 +53,18 @@ for stage in "$@"; do
         timeout 300 python3 scripts/bench_kernels.py $args --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels $args: rc=$?"  # it writes bench_kernels.json and bench_kernels.log
         grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log" ;;
+    large)
+        for policy in $(echo "${LARGE_POLICIES:-prefix,forkkv}" | tr , ' '); do
+            for ctx in 1024 2048; do
+                name=engine_large_${policy}_$ctx
+                run 300 $name.log python3 scripts/bench_engine.py --batches 128,256 --context $ctx \
+                    --steps ${ENGINE_STEPS:-12} --policy $policy --kv-cache-bytes 80e9 \
+                    --prefill-tokens 2048 --out "$OUT/$name.json"
+                grep -E '"(batch|step_ms|ratio|roofline_ms)"' "$OUT/$name.json" | tr -d ' \n'; echo
+            done
+        done ;;
+    rebuild)
+        run 240 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py ;;
     hardening)
         run 240 hardening.log python3 -m pytest -q tests/test_deterministic.py tests/test_isolation.py ;;
     engine | det)

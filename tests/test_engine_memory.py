@@ -22,11 +22,15 @@ def test_default_batch_by_platform(on_gpu, device_bytes, want):
     assert memory.default_max_batch_size(on_gpu, device_bytes) == want
 
 
-def test_cpu_engine_defaults():
+def test_engine_defaults_follow_the_platform():
+    on_gpu = jax.default_backend() == "gpu"
     with forkjax.Engine.from_pretrained("tiny-llama", warmup=False, progress=False) as engine:
-        assert engine.scheduler.max_batch_size == memory.CPU_MAX_BATCH
-        assert engine.runner.buckets.decode_sizes == [1, 2, 4, 8, 16]
-        assert engine.runner.layout.nbytes <= memory.DEFAULT_CPU_KV_BYTES
+        batch = engine.scheduler.max_batch_size
+        assert batch == memory.default_max_batch_size(on_gpu, memory.device_memory()[0])
+        assert batch == (256 if on_gpu else 16)  # every GPU this runs on has 40 GiB or more
+        assert engine.runner.buckets.decode_sizes == [2 ** i for i in range(batch.bit_length())]
+        if not on_gpu:
+            assert engine.runner.layout.nbytes <= memory.DEFAULT_CPU_KV_BYTES
 
 
 def test_kv_budget_sets_the_workspace_aside():
@@ -55,4 +59,4 @@ def test_workspace_bounds_the_compiled_programs():
         assert any(shape[4] and shape[5] for shape in exes) and any(s[0] == "decode" for s in exes)
         temps = [exe.memory_analysis().temp_size_in_bytes for exe in exes.values()]
         bound = memory.step_workspace_bytes(engine.model_cfg, 8, 128)
-    assert jax.default_backend() == "cpu" and 0 < max(temps) <= bound
+    assert 0 < max(temps) <= bound
