@@ -10,6 +10,9 @@
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
 #   rebuild engines of other shapes in one process; memory defaults  rebuild.log       ~1 min
+#   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
+#           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
+#   online  the same at Poisson rates $SERVING_RATES (req/s, 512 requests each)   online/   ~1 min a rate
 #   hardening  deterministic-mode and isolation tests on the Pallas  hardening.log      ~2 min
 #           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
@@ -62,6 +65,22 @@ for stage in "$@"; do
                     --prefill-tokens 2048 --out "$OUT/$name.json"
                 grep -E '"(batch|step_ms|ratio|roofline_ms)"' "$OUT/$name.json" | tr -d ' \n'; echo
             done
+        done ;;
+    serving | online)
+        shape="--num-prompts 1024 --dataset uniform --input-len 576 --range-ratio 0.7778
+            --output-range-ratio 0 --output-len 256 --policy prefix --kv-cache-bytes 60e9"
+        mkdir -p "$OUT/$stage"
+        if [ "$stage" = serving ]; then
+            runs=$(for a in $(echo "${SERVING_ADAPTERS:-0,1,8}" | tr , ' '); do echo "a$a:--adapters_$a"; done)
+        else
+            runs=$(for r in $(echo "${SERVING_RATES:-8,16,24,32}" | tr , ' '); do
+                echo "r$r:--adapters_0_--num-prompts_512_--request-rate_$r"; done)
+        fi
+        for run_spec in $runs; do
+            name=${run_spec%%:*} flags=${run_spec#*:}
+            timeout 300 python3 scripts/bench_serving.py $shape ${flags//_/ } --out "$OUT/$stage/$name" \
+                > "$OUT/$stage/$name.log" 2>&1
+            echo "$stage $name: rc=$? $(tail -1 "$OUT/$stage/$name.log")"
         done ;;
     rebuild)
         run 240 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py ;;

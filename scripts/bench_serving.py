@@ -1,0 +1,314 @@
+"""Serving benchmark (vLLM's `vllm bench serve`, SGLang's `bench_serving`): request and token
+throughput, TTFT, inter-token and end-to-end latency of a stream of requests, and the run's
+roofline time.
+
+    # GPU, offline: 1000 requests of 1024 -> 128 tokens, all at t=0
+    PYTHONPATH=. python3 scripts/bench_serving.py --num-prompts 1000 --out $OUT/offline
+    # Poisson arrivals at 8 requests/s, ShareGPT-like lengths, over 8 rank-16 adapters
+    PYTHONPATH=. python3 scripts/bench_serving.py --request-rate 8 --dataset sharegpt --adapters 8 \\
+        --out $OUT/poisson
+    # 32 clients in a closed loop over HTTP (a local forkjax server, the openai client streaming)
+    PYTHONPATH=. python3 scripts/bench_serving.py --max-concurrency 32 --http --out $OUT/http
+    # CPU smoke run
+    PYTHONPATH=. python scripts/bench_serving.py --model tiny-llama --num-prompts 8 --input-len 32 \\
+        --output-len 8 --no-warmup --dtype float32 --out /tmp/serving
+
+Load (vLLM's flags): every request arrives at t=0 (offline) unless --request-rate R gives Poisson
+arrivals, R requests/s (exponential gaps seeded by --seed, the first at t=0); --max-concurrency C
+keeps at most C requests in flight: alone, a closed loop of C clients, each sending its next
+request when its last one finishes. A request's clock starts when it is sent: at its arrival,
+or under --max-concurrency when a slot frees.
+
+Drivers: in process (default), the Engine's serving API as a server's engine thread drives it
+(`add_request`, `step`): a request arriving while a step runs is queued at its arrival time and
+added after the step, and its tokens are timed when a step's results reach the host. --http: the
+same engine behind a loopback server (workflows/local_server.py: the app and engine thread of
+`python -m forkjax.serve`); each request is a streaming /v1/completions call of the openai
+client (prompt as token ids, `return_token_ids`), its tokens timed as the chunks carrying them
+arrive.
+
+Workload: --num-prompts requests of random token ids (seeded, no special tokens), greedy, EOS
+ignored, so each generates exactly its drawn output length. Lengths, --dataset:
+  fixed     --input-len and --output-len;
+  uniform   integers uniform in [len·(1 − r), len·(1 + r)] for each, r = --range-ratio (vLLM's
+            random dataset with --random-range-ratio; --output-range-ratio sets the outputs' own);
+  sharegpt  synthetic (no dataset download): lognormal lengths clipped to [4, 1024] each (vLLM's
+            ShareGPT filter keeps prompts of at most 1024 tokens and 2048 with the output),
+            log-space sigma 1.2 for inputs and 0.8 for outputs, located so that the clipped means
+            are ShareGPT's as the vLLM paper reports them (Kwon et al., SOSP 2023, Fig. 11a:
+            161.31 input, 337.99 output tokens). Only the means come from the paper: the
+            lognormal shape, the sigmas and the independence of the two lengths are assumptions.
+--adapters N: N rank-16 adapters on q/k/v/o with seeded random weights (workflows/agents.py),
+request i on adapter i mod N; 0: the base model.
+
+Metrics (ms; mean, p50, p90, p99 over requests): ttft, send to first token; itl, the gaps between
+a request's consecutive token arrivals (a gap bringing k tokens at once, a stream chunk carrying
+k, counts k times as gap/k: SGLang's convention); tpot, (e2el − ttft) / (output − 1); e2el, send to
+last token; only requests that generated their whole output count (`completed`). Throughputs
+are over `duration_s` (also `wall_s`), t=0 to the last token. `decode_batch_size_mean` is the
+engine's. `roofline_s` (serving_roofline.py says how) is the least time the run's steps could
+take at the copy and matmul rates measured first; `efficiency` = roofline_s / wall_s (idle time
+between arrivals counts), `efficiency_busy` = roofline_s / `device_s`, the steps' device seconds.
+The engine warm-up compiles every step shape before the run (`compile_s`); with --no-warmup the
+steps compile as the run first needs them, inside its timings.
+
+Output: DIR/results.json (the metrics, every request's lengths and times, the engine's step log,
+the rates and cost coefficients of the roofline) and a one-line summary on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import heapq
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections import deque
+
+import jax
+
+import forkjax
+from forkjax.config import CACHE_POLICIES, ModelConfig
+from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.workflows.agents import ATTENTION, agent_adapters
+# scripts/ is on sys.path when a script runs
+from serving_metrics import Timing, latency_metrics
+from serving_roofline import StepCosts, measure_rates, roofline
+from serving_workload import SampleRequest, adapter_names, workload
+
+LORA_RANK = 16
+
+
+def log(msg: str):
+    print(msg, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="built-in name or HF checkpoint dir "
+                   "(llama3-8b-random on a GPU, tiny-llama on a CPU)")
+    p.add_argument("--policy", default="prefix", choices=CACHE_POLICIES, help="KV cache policy")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--dataset", default="fixed", choices=("fixed", "uniform", "sharegpt"))
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (fixed, uniform: 1024)")
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens (fixed, uniform: 128)")
+    p.add_argument("--range-ratio", type=float, default=None,
+                   help="uniform: lengths in [len·(1-r), len·(1+r)] (0.5)")
+    p.add_argument("--output-range-ratio", type=float, default=None,
+                   help="uniform: the output lengths' r, if not --range-ratio's (0 for fixed outputs)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, "
+                   "requests/s (default inf: all at t=0)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--adapters", type=int, default=0, help="rank-16 q/k/v/o adapters, round-robin")
+    p.add_argument("--http", action="store_true", help="stream over HTTP from a local forkjax server")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="requests a step runs at most (the engine's default: engine/memory.py)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens an extend step computes at most (the engine's default, 2048)")
+    p.add_argument("--kv-cache-bytes", type=float, default=None,
+                   help="KV pool bytes (the engine's default: engine/memory.py)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--no-warmup", action="store_true", help="compile lazily, inside the run")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
+    p.add_argument("--out", default="bench_serving_out", help="output directory")
+    return p
+
+
+def check_args(args):
+    """Validate flags (ValueError naming the flag) and fill the defaults."""
+    for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "max_batch_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v}: expected >= 1")
+    if not args.request_rate > 0 or args.adapters < 0:
+        raise ValueError("--request-rate must be > 0 and --adapters >= 0")
+    for flag in ("range_ratio", "output_range_ratio"):
+        if getattr(args, flag) is not None and args.dataset != "uniform":
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --dataset uniform, not {args.dataset}")
+    if args.dataset == "sharegpt" and (args.input_len or args.output_len):
+        raise ValueError("--input-len, --output-len: --dataset sharegpt draws its own lengths")
+    if args.dataset != "sharegpt":
+        args.input_len, args.output_len = args.input_len or 1024, args.output_len or 128
+    if args.dataset == "uniform":
+        args.range_ratio = 0.5 if args.range_ratio is None else args.range_ratio
+        if args.output_range_ratio is None:
+            args.output_range_ratio = args.range_ratio
+    for flag in ("range_ratio", "output_range_ratio"):
+        if (r := getattr(args, flag)) is not None and not 0 <= r < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={r}: expected a ratio in [0, 1)")
+    args.model = args.model or ("llama3-8b-random" if jax.default_backend() == "gpu" else "tiny-llama")
+    if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r}: not a built-in model nor a checkpoint directory")
+    if args.kv_cache_bytes is not None:
+        args.kv_cache_bytes = int(args.kv_cache_bytes)
+
+
+# ---- the drivers --------------------------------------------------------------------------------
+
+def run_in_process(engine, reqs: list[SampleRequest], arrivals, max_concurrency) -> list[Timing]:
+    """Submit `reqs` at their arrivals (at most `max_concurrency` in flight), step the engine
+    until every one finishes, timing each request's tokens as steps hand them back."""
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    slots = [0.0] * (max_concurrency or len(reqs))  # when each free slot freed (a heap)
+    waiting, live, out = deque(range(len(reqs))), {}, [None] * len(reqs)
+    while waiting or live:
+        now = clock()
+        while waiting and arrivals[waiting[0]] <= now and slots:
+            i = waiting.popleft()
+            r = reqs[i]
+            out[i] = Timing(len(r.prompt), r.output_len, max(arrivals[i], heapq.heappop(slots)))
+            params = SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            live[i] = engine.add_request(r.prompt, r.adapter, params)
+        if engine.scheduler.has_work:
+            engine.step()
+            now = clock()
+            for i, seq in list(live.items()):
+                if (new := len(seq.output) - out[i].generated) > 0:
+                    out[i].events.append((now, new))
+                if seq.status is Status.FINISHED:
+                    out[i].error = None if seq.error is None else repr(seq.error)
+                    heapq.heappush(slots, now)
+                    del live[i]
+        elif live:
+            raise RuntimeError(f"{len(live)} requests neither run nor finished")
+        elif waiting:
+            time.sleep(max(0.0, arrivals[waiting[0]] - clock()))
+    return out
+
+
+async def run_http(url: str, model: str, reqs: list[SampleRequest], arrivals,
+                   max_concurrency) -> list[Timing]:
+    """The same over HTTP: one streaming /v1/completions call a request."""
+    from openai import AsyncOpenAI  # the serve extra
+    # No retries: a retried call would be timed twice and hide a server error.
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=3600.0)
+    gate = asyncio.Semaphore(max_concurrency or len(reqs))
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+
+    async def one(r: SampleRequest, at: float) -> Timing:
+        await asyncio.sleep(max(0.0, at - clock()))
+        async with gate:
+            t = Timing(len(r.prompt), r.output_len, clock())
+            try:
+                stream = await client.completions.create(
+                    model=r.adapter or model, prompt=r.prompt, max_tokens=r.output_len,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+                async for chunk in stream:
+                    ids = [i for c in chunk.choices for i in (c.model_extra or {}).get("token_ids") or ()]
+                    if ids:
+                        t.events.append((clock(), len(ids)))
+            except Exception as e:  # noqa: BLE001
+                t.error = repr(e)  # the request counts as not completed; the others run on
+            return t
+
+    async with client:
+        return list(await asyncio.gather(*(one(r, a) for r, a in zip(reqs, arrivals))))
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def build_engine(args, cfg: ModelConfig, max_model_len: int):
+    names = adapter_names(args.adapters)
+    extra = {} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}
+    t = time.perf_counter()
+    engine = forkjax.Engine.from_pretrained(
+        args.model, adapters=agent_adapters(cfg, names, LORA_RANK, shared_a=False),
+        cache_policy=args.policy, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+        max_batch_size=args.max_batch_size, max_loras=len(names) + 1, lora_target_modules=ATTENTION,
+        max_model_len=max_model_len, warmup=not args.no_warmup, progress=False, **extra)
+    return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s)
+
+
+def serving(engine, args):
+    """With --http: the engine behind a loopback HTTP server for the run; else nothing."""
+    if not args.http:
+        return contextlib.nullcontext()
+    from forkjax.workflows.local_server import LocalServer  # the serve extra: fastapi, uvicorn
+    return LocalServer(engine, args.model)
+
+
+def engine_config(engine, args) -> dict:
+    """The engine's settings as it resolved them (defaults filled)."""
+    sched = engine.scheduler
+    return dict(max_batch_size=sched.max_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
+                max_model_len=engine.max_model_len, kv_pool_bytes=engine.runner.layout.nbytes,
+                max_loras=engine.config.max_loras, overlap=engine.overlap,
+                lora_rank=LORA_RANK if args.adapters else None, lora_targets=list(ATTENTION))
+
+
+def measured_run(engine, server, args, reqs, arrivals):
+    """-> (timings, duration_s, the engine's stats and step log over the run)."""
+    on_engine = server.call if server else (lambda fn: fn())  # a server's engine is its thread's
+    on_engine(lambda: (engine.reset_stats(), engine.metrics.record_steps()))
+    if server:
+        timings = asyncio.run(run_http(server.url, args.model, reqs, arrivals, args.max_concurrency))
+    else:
+        timings = run_in_process(engine, reqs, arrivals, args.max_concurrency)
+    stats, steps = on_engine(lambda: (engine.stats(), engine.metrics.record_steps(False)))
+    duration = max((t.events[-1][0] for t in timings if t.events), default=0.0)
+    if not duration:
+        raise RuntimeError(f"no request generated a token: {timings[0].error}")
+    return timings, duration, stats, steps
+
+
+def summary_line(r: dict) -> str:
+    def p(key, q, scale=1.0):
+        return "n/a" if r[key] is None else f"{r[key][q] * scale:.1f}"
+    return (f"{r['mode']} {'http ' if r['http'] else ''}{r['model']} {r['policy']} "
+            f"{r['completed']}/{r['num_prompts']} req ({r['dataset']}), {r['adapters']} adapters: "
+            f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} out tok/s, "
+            f"{r['total_token_throughput']:.1f} tok/s; TTFT p50 {p('ttft_ms', 'p50')} p99 "
+            f"{p('ttft_ms', 'p99')} ms, ITL p50 {p('itl_ms', 'p50')} p99 {p('itl_ms', 'p99')} ms, "
+            f"E2E p50 {p('e2el_ms', 'p50', 1e-3)} s; decode batch {r['decode_batch_size_mean']:.1f}; "
+            f"roofline {r['roofline_s']:.3f} s / {r['wall_s']:.3f} s = {r['efficiency']:.3f} "
+            f"(busy {r['efficiency_busy']:.3f}); compile {r['compile_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
+    reqs, arrivals, max_model_len = workload(args, cfg)
+    mode = "offline" if math.isinf(args.request_rate) and args.max_concurrency is None else "online"
+    log(f"{args.model} {args.policy}: {len(reqs)} requests ({args.dataset}), {mode}, rate "
+        f"{args.request_rate}/s, concurrency {args.max_concurrency}, {args.adapters} adapters, "
+        f"{'HTTP' if args.http else 'in process'}")
+    rates = measure_rates(log=log)
+    log(f"copy {rates['copy_rate_GBps']:.1f} GB/s, matmul {rates['matmul_rate_TFLOPs']:.2f} TFLOP/s")
+    engine, build = build_engine(args, cfg, max_model_len)
+    log(f"engine built in {build['build_s']:.1f} s (compile {build['compile_s']:.1f} s); running")
+    with engine, serving(engine, args) as server:
+        timings, wall, stats, steps = measured_run(engine, server, args, reqs, arrivals)
+    costs = StepCosts.of(engine, LORA_RANK, ATTENTION, args.adapters)
+    roof = roofline(steps, costs, rates)
+    result = dict(
+        command=shlex.join(["scripts/bench_serving.py", *argv]), **vars(args), mode=mode,
+        device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax_version=jax.__version__,
+        config=engine_config(engine, args), **build, **latency_metrics(timings, wall),
+        decode_batch_size_mean=stats["decode_batch_size_mean"], preemptions=stats["preemptions"],
+        **roof, wall_s=wall, efficiency=roof["roofline_s"] / wall,
+        efficiency_busy=roof["roofline_s"] / roof["device_s"], rates=rates,
+        step_costs=dataclasses.asdict(costs), step_log=steps)
+    result["request_rate"] = None if math.isinf(args.request_rate) else args.request_rate  # JSON has no inf
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    log(summary_line(result))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"bench_serving.py: error: {e}")
