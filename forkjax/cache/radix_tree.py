@@ -14,6 +14,13 @@ Holds are soft locks: held pages are evicted only after every unheld one (`evict
 held=True)`), and admission counts only unheld evictable pages as room for other requests
 (`evictable_size(held=False)`). A waiting request holds the prefix it will hit, the engine the
 pages of a session that ran recently (hold.py).
+
+Host tier (`attach_host`): an evicted leaf's pages are written back to the host pool instead of
+dropped, and the node stays in the tree on the host (tree_node.py); the host keeps its own LRU
+of host leaves, dropped when a write-back needs their room. A match stops at host nodes;
+`host_continuation` names the host nodes that would extend it and `load` brings them back (the
+copies are the host pool's to run). An insert that meets a host node drops it and its subtree:
+the new pages supersede it. Counters (evictable, held, protected, ns_pages) count device pages.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from collections.abc import Hashable
 import numpy as np
 
 from forkjax.cache.allocator import PageAllocator
+from forkjax.cache.host_tier import HostTier
+from forkjax.cache.tree_check import check_tree
 from forkjax.cache.tree_node import EMPTY, TreeNode, append_pages, common_prefix_len
 
-class RadixTree:
+class RadixTree(HostTier):
     def __init__(self, page_size: int, allocator: PageAllocator):
         self.page_size = page_size
         self.allocator = allocator
@@ -41,8 +50,12 @@ class RadixTree:
         self.evicted_pages = 0  # pages freed by eviction, ever
         self._num_nodes = 0
         self._clock = 0
-        self._heap: list = []  # (last_access, tiebreak, node) of candidate leaves
+        self._heap: list = []  # (held, last_access, tiebreak, node) of candidate device leaves
         self._tiebreak = itertools.count()
+        self.host = None  # a HostPagePool once attach_host gives this tree a host tier
+        self.host_pages = 0  # own pages of host nodes
+        self.loaded_pages = 0  # pages brought back from the host, ever
+        self._host_heap: list = []  # (last_access, tiebreak, node) of candidate host leaves
 
     @classmethod
     def for_test(cls, page_size: int = 4, num_pages: int = 64) -> RadixTree:
@@ -82,6 +95,8 @@ class RadixTree:
             raise ValueError(f"insert needs whole pages: {len(key)} tokens, {len(pages)} pages, S={S}")
         prefix_len, node, _ = self._walk(ns, key, node)
         if prefix_len < len(key):
+            if (stale := node.children.get(int(key[prefix_len]))) is not None:
+                self._drop_host_subtree(stale)  # a host node the walk stopped at
             first = prefix_len // S
             if prefix_len % S and len(node.pages) and pages[first] == node.pages[-1]:
                 raise ValueError("the page at the fork point belongs to the tree; copy it first")
@@ -118,7 +133,7 @@ class RadixTree:
         pos = node.end
         while pos < len(key):
             child = node.children.get(int(key[pos]))
-            if child is None:
+            if child is None or child.host is not None:
                 break
             n = common_prefix_len(child.key, key[pos:])
             if n < len(child.key):
@@ -171,7 +186,7 @@ class RadixTree:
                 self._evictable += node.own_pages
                 self._held += node.own_pages if node.hold_ref else 0
                 self._protected -= node.own_pages
-                if not node.children:
+                if node.device_leaf():
                     self._push(node)
             node = node.parent
 
@@ -179,9 +194,9 @@ class RadixTree:
         """Hold node and its ancestors: evicted only after every unheld leaf."""
         while node.parent is not None:
             node.hold_ref += 1
-            if node.hold_ref == 1 and node.alive and node.lock_ref == 0:
+            if node.hold_ref == 1 and node.alive and node.on_device and node.lock_ref == 0:
                 self._held += node.own_pages
-                if not node.children:
+                if node.device_leaf():
                     self._push(node)  # its heap entry moves to the held tier
             node = node.parent
 
@@ -192,9 +207,9 @@ class RadixTree:
             if node.hold_ref <= 0:
                 raise ValueError("dec_hold_ref on a node without holds")
             node.hold_ref -= 1
-            if node.hold_ref == 0 and node.alive and node.lock_ref == 0:
+            if node.hold_ref == 0 and node.alive and node.on_device and node.lock_ref == 0:
                 self._held -= node.own_pages
-                if not node.children:
+                if node.device_leaf():
                     self._push(node)
             node = node.parent
 
@@ -205,48 +220,65 @@ class RadixTree:
     def protected_size(self) -> int:
         return self._protected
 
-    def evict(self, num_pages: int, held: bool = True) -> int:
-        """Free at least num_pages pages from least recently used unlocked leaves, unheld ones
-        first; `held=False` stops before the held ones. Returns pages freed."""
+    def evict(self, num_pages: int, held: bool = True, drop: bool = False) -> int:
+        """Free at least num_pages device pages from least recently used unlocked leaves, unheld
+        ones first; `held=False` stops before the held ones. With a host tier their pages are
+        written back to it unless `drop`. Returns pages freed."""
         freed = 0
         while freed < num_pages and self._heap:
             is_held, last_access, _, node = self._heap[0]
-            if not (node.alive and node.lock_ref == 0 and not node.children
+            if not (node.alive and node.lock_ref == 0 and node.device_leaf()
                     and node.last_access == last_access and is_held == (node.hold_ref > 0)):
                 heapq.heappop(self._heap)  # stale
                 continue
             if is_held and not held:
                 break
             heapq.heappop(self._heap)
-            freed += self._delete_leaf(node)
+            freed += self._delete_leaf(node) if drop or self.host is None else self._write_back(node)
         self.evicted_pages += freed
         return freed
 
-    def _delete_leaf(self, node: TreeNode) -> int:
+    def _free_device(self, node: TreeNode) -> int:
+        """Drop a device node's pages and take them out of the counters; returns its own."""
         self.allocator.dec_ref(node.pages)  # a shared first page survives in the parent
         own = node.own_pages
         self._evictable -= own
         self._held -= own if node.hold_ref else 0
         self.ns_pages[node.ns] -= own
         self.version += 1
+        return own
+
+    def _detach(self, node: TreeNode) -> None:
         parent = node.parent
         del parent.children[int(node.key[0])]
+        self.version += 1
+        if parent.parent is None or parent.lock_ref:
+            return
+        if parent.host is not None and not parent.children:
+            self._push_host(parent)
+        elif parent.device_leaf():
+            self._push(parent)
+
+    def _delete_leaf(self, node: TreeNode) -> int:
+        """Forget a device leaf (its host descendants too); returns its own pages."""
+        for child in list(node.children.values()):
+            self._drop_host_subtree(child)
+        own = self._free_device(node)
         node.alive = False
         self._num_nodes -= 1
-        if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-            self._push(parent)
+        self._detach(node)
         return own
 
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access = now
-        if not node.children and node.lock_ref == 0:
+        if node.lock_ref == 0 and node.device_leaf():
             self._push(node)
 
     def _push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, self._entry(node))
         if len(self._heap) > 4 * self._num_nodes + 1024:
             # Stale entries pile up (every touch pushes one); rebuild from the live leaves.
-            self._heap = [self._entry(n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+            self._heap = [self._entry(n) for n in self._nodes() if n.device_leaf() and n.lock_ref == 0]
             heapq.heapify(self._heap)
 
     def _entry(self, node: TreeNode) -> tuple:
@@ -270,31 +302,4 @@ class RadixTree:
 
     def check(self) -> np.ndarray:
         """Assert the structural invariants; returns holders [num_pages]: nodes listing each page."""
-        S = self.page_size
-        evictable = held = protected = count = 0
-        ns_pages: dict = defaultdict(int)
-        all_pages = [EMPTY]
-        for node in self._nodes():
-            count += 1
-            parent = node.parent
-            assert node.alive and len(node.key) > 0
-            assert parent.children[int(node.key[0])] is node, "child indexed under the wrong token"
-            assert node.start == parent.end and node.ns == parent.ns
-            assert len(node.pages) == -(-node.end // S) - node.start // S, "pages do not cover the span"
-            assert not np.any(node.pages == 0), "the sink page is in the tree"
-            if node.shares_first:
-                assert node.start % S and node.pages[0] == parent.pages[-1], "bad shared page"
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock not on path"
-            assert node.hold_ref >= sum(c.hold_ref for c in node.children.values()), "hold not on path"
-            if node.lock_ref:
-                protected += node.own_pages
-            else:
-                evictable += node.own_pages
-                held += node.own_pages if node.hold_ref else 0
-            ns_pages[node.ns] += node.own_pages
-            all_pages.append(node.pages)
-        assert count == self._num_nodes
-        assert (evictable, held, protected) == (self._evictable, self._held, self._protected), \
-            "size counters drifted"
-        assert {k: v for k, v in ns_pages.items() if v} == {k: v for k, v in self.ns_pages.items() if v}
-        return np.bincount(np.concatenate(all_pages), minlength=self.allocator.num_pages)
+        return check_tree(self)

@@ -11,6 +11,11 @@ When a node boundary falls inside a page, two nodes of one path touch that page 
 
 Either way the deepest node on a path says where a position lives (`append_pages`), and every
 page has exactly one owning node, so evictable + protected sizes count each page once.
+
+With a host tier (host_pool.py) a node whose pages were written back lives on the host: `host`
+holds the host page ids of its own pages and `pages` is empty. The device nodes of a path are
+always a prefix of it (a node goes to the host only when none of its children is on the device,
+and comes back only below a device parent), so a device match simply stops at the first host node.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ EMPTY = np.zeros(0, np.int32)
 
 class TreeNode:
     __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "hold_ref",
-                 "last_access", "shares_first", "alive")
+                 "last_access", "shares_first", "alive", "host")
 
     def __init__(self, key, pages, start, parent, ns, shares_first=False):
         self.key = key  # [n] int32 token ids of this edge
@@ -36,6 +41,7 @@ class TreeNode:
         self.last_access = 0
         self.shares_first = shares_first  # pages[0] is the parent's last page
         self.alive = True
+        self.host: np.ndarray | None = None  # [own pages] host page ids while on the host
 
     @property
     def end(self) -> int:
@@ -43,7 +49,15 @@ class TreeNode:
 
     @property
     def own_pages(self) -> int:
-        return len(self.pages) - self.shares_first
+        return len(self.host) if self.host is not None else len(self.pages) - self.shares_first
+
+    @property
+    def on_device(self) -> bool:
+        return self.host is None
+
+    def device_leaf(self) -> bool:
+        """On the device with no child on the device: what device eviction takes."""
+        return self.host is None and not any(c.host is None for c in self.children.values())
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

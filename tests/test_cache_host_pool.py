@@ -1,0 +1,110 @@
+"""The host tier's page store (cache/host_pool.py) on random pools: pages copied to pinned host
+memory and back land bit-exact in shuffled device pages, from several blocks at once, for both
+pool layouts; blocks return their bytes to the shared budget with their last page."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from forkjax.cache.host_pool import HostBudget, HostPagePool, bucket
+
+L, HKV, S, D, R = 2, 2, 4, 8, 4
+LAYOUTS = {  # pool shape with P pages, page axis
+    "base": (lambda p: (L, HKV, p, S, D), 2),
+    "residual": (lambda p: (L, p, S, R), 1),
+}
+
+
+def random_pool(shape, seed):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+
+
+def page(x, axis, p):
+    return np.asarray(jnp.take(x, jnp.asarray(p), axis=axis), np.float32)
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_round_trip_is_exact_across_blocks(kind):
+    shape, axis = LAYOUTS[kind]
+    k, v = random_pool(shape(32), 0)
+    want_k, want_v = np.asarray(k, np.float32), np.asarray(v, np.float32)
+    page_bytes = 2 * k.nbytes // 32
+    pool = HostPagePool(axis, page_bytes, HostBudget(1 << 20))
+    first = np.array([5, 17, 3], np.int32)  # a block of 3 (padded to 4)
+    second = np.array([30, 1, 12, 9, 22], np.int32)  # and one of 5 (padded to 8)
+    ids = np.concatenate([pool.store(first), pool.store(second)])
+    assert pool.budget.used == (4 + 8) * page_bytes and pool.num_pages == 8 and pool.pending
+    k, v = pool.execute(k, v)  # the stores: the pool itself is left as it was
+    assert np.array_equal(np.asarray(k, np.float32), want_k) and not pool.pending
+    assert all(b.k.sharding.memory_kind == "pinned_host" for b in pool._blocks.values())
+    # Back into other pages of a pool whose content changed meanwhile, in shuffled order and
+    # from both blocks in one load.
+    k2, v2 = random_pool(shape(32), 1)
+    before_k = np.asarray(k2, np.float32)
+    src = np.concatenate([first, second])
+    order = np.random.default_rng(2).permutation(len(src))
+    dst = np.array([2, 4, 6, 8, 10, 11, 13, 31], np.int32)
+    pool.load(ids[order], dst)
+    k2, v2 = pool.execute(k2, v2)
+    for s, d in zip(src[order], dst):
+        assert np.array_equal(page(k2, axis, d), np.take(want_k, s, axis=axis))
+        assert np.array_equal(page(v2, axis, d), np.take(want_v, s, axis=axis))
+    untouched = [p for p in range(1, 32) if p not in dst]
+    assert np.array_equal(page(k2, axis, untouched), np.take(before_k, untouched, axis=axis))
+    assert pool.bytes_loaded == pool.bytes_stored == 8 * page_bytes
+    pool.check()
+
+
+def test_blocks_return_their_bytes_with_their_last_page():
+    shape, axis = LAYOUTS["base"]
+    k, v = random_pool(shape(16), 0)
+    page_bytes = 2 * k.nbytes // 16
+    budget = HostBudget(8 * page_bytes)
+    pool = HostPagePool(axis, page_bytes, budget)
+    a = pool.store(np.array([1, 2, 3, 4], np.int32))
+    b = pool.store(np.array([5, 6], np.int32))
+    k, v = pool.execute(k, v)
+    assert budget.free == 2 * page_bytes
+    with pytest.raises(MemoryError, match="host bytes"):
+        pool.store(np.array([7, 8, 9], np.int32))  # 4 pages padded: no room
+    pool.free(a[:3])
+    assert budget.free == 2 * page_bytes  # a block is freed whole, with its last page
+    pool.free(a[3:])
+    assert budget.free == 6 * page_bytes
+    # What is left still loads.
+    pool.load(b, np.array([9, 10], np.int32))
+    k2, v2 = pool.execute(*random_pool(shape(16), 3))
+    assert np.array_equal(page(k2, axis, [9, 10]), page(k, axis, [5, 6]))
+    pool.clear()
+    assert budget.used == 0 and pool.num_pages == 0
+    pool.check()
+
+
+def test_a_store_reads_pages_before_a_load_of_the_same_round_overwrites_them():
+    """Evicting page 3 to the host and loading another host page into page 3, queued in that
+    order, keeps page 3's old content on the host."""
+    shape, axis = LAYOUTS["residual"]
+    k, v = random_pool(shape(8), 0)
+    old3, old5 = page(k, axis, [3]), page(k, axis, [5])
+    pool = HostPagePool(axis, 2 * k.nbytes // 8, HostBudget(1 << 20))
+    five = pool.store(np.array([5], np.int32))
+    k, v = pool.execute(k, v)
+    three = pool.store(np.array([3], np.int32))
+    pool.load(five, np.array([3], np.int32))
+    pool.free(five)  # freed after its load was queued: the load still runs
+    k, v = pool.execute(k, v)
+    assert np.array_equal(page(k, axis, [3]), old5)
+    pool.load(three, np.array([6], np.int32))
+    k, v = pool.execute(k, v)
+    assert np.array_equal(page(k, axis, [6]), old3)
+    pool.check()
+
+
+def test_bucket_sizes():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 64, 65)] == [1, 2, 4, 4, 8, 16, 64, 128]
+    assert jax.devices()[0].addressable_memories()  # the platform names its memory kinds
