@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2G (default: 90%% of free device memory less the largest "
                         "step's workspace; 256M on CPU)")
+    p.add_argument("--host-kv-bytes", type=parse_bytes, default=0,
+                   help="host memory for KV pages evicted from the device, loaded back on a hit "
+                        "instead of recomputed, e.g. 64G (default 0: off)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="running requests at most (default: 256 on a GPU of 40 GiB or more, 128 from 16 "
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None):
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
+            host_kv_bytes=args.host_kv_bytes,
             session_ttl_s=args.session_ttl, warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")

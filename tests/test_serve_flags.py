@@ -59,7 +59,7 @@ def test_bad_number_is_refused_in_one_line(argv, message, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv", [["--port", "0"], ["--port", "65535"], ["--shutdown-timeout", "0"],
                                   ["--residual-fraction", "0.5"], ["--seed", "7"], ["--max-model-len", "1"],
-                                  ["--kv-cache-bytes", "1"], ["--session-ttl", "0"]])
+                                  ["--kv-cache-bytes", "1"], ["--session-ttl", "0"], ["--host-kv-bytes", "0"]])
 def test_edge_values_pass_the_check(argv, monkeypatch):
     def from_pretrained(model, **kw):
         raise ValueError("checked")

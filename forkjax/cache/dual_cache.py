@@ -10,6 +10,7 @@ import numpy as np
 
 from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.hold import PrefixHold
+from forkjax.cache.host_pool import HostBudget, HostPagePool
 from forkjax.cache.policy import SHARED, CachePolicy, get_policy, unsalted
 from forkjax.cache.pool import PoolLayout
 from forkjax.cache.radix_tree import RadixTree
@@ -29,8 +30,10 @@ class MatchResult:
 
 class DualRadixCache:
     def __init__(self, policy: str | CachePolicy, page_size: int, base_pages: int, res_pages: int,
-                 base_page_bytes: int = 1, res_page_bytes: int = 1):
-        """Host-side bookkeeping only (device-free); page counts include the sink page."""
+                 base_page_bytes: int = 1, res_page_bytes: int = 1, host_kv_bytes: int = 0):
+        """Host-side bookkeeping only (device-free); page counts include the sink page.
+        `host_kv_bytes` > 0: both trees write evicted pages back to host pools sharing that
+        budget (their copies run when the model runner executes `host_pools` before a step)."""
         self.policy = get_policy(policy)
         self.page_size = page_size
         self.base_page_bytes, self.res_page_bytes = base_page_bytes, res_page_bytes
@@ -38,11 +41,22 @@ class DualRadixCache:
         self.res_tree = RadixTree(page_size, PageAllocator(res_pages)) if self.policy.uses_residual else None
         self._live: set[SeqCache] = set()
         self.prompt_tokens = self.base_hit_tokens = self.residual_hit_tokens = 0
+        self.host_hit_tokens = 0  # of the base hits, tokens loaded from the host tier
+        self.host_budget = HostBudget(host_kv_bytes) if host_kv_bytes else None
+        self.host_pools: tuple[HostPagePool | None, HostPagePool | None] = (None, None)
+        if self.host_budget is not None:  # page axes: base [L, Hkv, P, S, D], residual [L, P, S, R]
+            self.host_pools = tuple(
+                None if tree is None else HostPagePool(axis, page_bytes, self.host_budget)
+                for tree, axis, page_bytes in ((self.base_tree, 2, base_page_bytes),
+                                               (self.res_tree, 1, res_page_bytes)))
+            for tree, host in zip((self.base_tree, self.res_tree), self.host_pools):
+                if tree is not None:
+                    tree.attach_host(host)
 
     @classmethod
-    def from_layout(cls, layout: PoolLayout) -> DualRadixCache:
+    def from_layout(cls, layout: PoolLayout, host_kv_bytes: int = 0) -> DualRadixCache:
         return cls(layout.policy, layout.page_size, layout.base_pages, layout.res_pages,
-                   layout.base_page_bytes, layout.res_page_bytes)
+                   layout.base_page_bytes, layout.res_page_bytes, host_kv_bytes)
 
     def match(self, tokens, adapter_key: Hashable = None) -> MatchResult:
         """Probe both trees (no lock, no stats). Refreshes LRU recency like any access."""
@@ -63,6 +77,8 @@ class DualRadixCache:
         `fanout` {adapter slot: adapter key}: the agents whose residuals this request also
         writes (`forkkv` only: their residual namespaces must differ from its own)."""
         tokens = np.asarray(tokens, np.int32)
+        if self.host_budget is not None:
+            self._load_from_host(tokens, adapter_key, fanout or {})
         m = self.match(tokens, adapter_key)
         base = PoolSeq("base", self.base_tree, self.policy.base_ns(adapter_key), m.base_len, m.base_pages,
                        m.base_node)
@@ -80,6 +96,20 @@ class DualRadixCache:
         handle = SeqCache(self, adapter_key, len(tokens), base, res, count_hits=count_hits, fanout=pools)
         self._live.add(handle)
         return handle
+
+    def _load_from_host(self, tokens: np.ndarray, adapter_key: Hashable, fanout: dict) -> None:
+        """Bring the host nodes that extend this prompt's match back to the device, in each
+        namespace it reads (into free or unheld evictable pages only)."""
+        spaces = [(self.base_tree, self.policy.base_ns(adapter_key))]
+        if self.res_tree is not None:
+            spaces += [(self.res_tree, ns) for ns in
+                       [self.policy.res_ns(adapter_key), *map(self.policy.res_ns, fanout.values())]
+                       if ns is not None]
+        for tree, ns in spaces:
+            length, _, node = tree.match_prefix(ns, tokens)
+            nodes = tree.host_continuation(node, tokens)
+            if nodes and tree.load(nodes) and tree is self.base_tree:
+                self.host_hit_tokens += tree.match_prefix(ns, tokens)[0] - length
 
     def match_all(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list:
         """[(tree, cached length, last node)] for the base namespace, the request's own residual
@@ -131,6 +161,10 @@ class DualRadixCache:
 
     def reset_stats(self) -> None:
         self.prompt_tokens = self.base_hit_tokens = self.residual_hit_tokens = 0
+        self.host_hit_tokens = 0
+        for host in self.host_pools:
+            if host is not None:
+                host.bytes_stored = host.bytes_loaded = 0
         for tree in (self.base_tree, self.res_tree):
             if tree is not None:
                 tree.evicted_pages = 0
@@ -142,9 +176,15 @@ class DualRadixCache:
         return tree.evict(num_pages) if tree is not None else 0
 
     def flush(self) -> int:
-        """Evict every unlocked page of both trees (held ones too); returns pages freed."""
-        return sum(tree.evict(tree.evictable_size()) for tree in (self.base_tree, self.res_tree)
-                   if tree is not None)
+        """Evict every unlocked page of both trees (held ones too) and empty the host tier;
+        returns the device pages freed."""
+        freed = 0
+        for tree in (self.base_tree, self.res_tree):
+            if tree is not None:
+                freed += tree.evict(tree.evictable_size(), drop=True)
+                if tree.host is not None:
+                    tree.drop_host()
+        return freed
 
     def stats(self) -> dict:
         """The cache keys of docs/design.md, Public contracts (the engine adds
@@ -192,6 +232,17 @@ class DualRadixCache:
             "residual_pages_protected": self.res_tree.protected_size() if self.res_tree else 0,
             "shared_bytes": shared,
             "agent_bytes": dict(agent_bytes),
+            **self._host_stats(),
+        }
+
+    def _host_stats(self) -> dict:
+        hosts = [h for h in self.host_pools if h is not None]
+        return {
+            "host_hit_tokens": self.host_hit_tokens,
+            "host_bytes_used": self.host_budget.used if self.host_budget else 0,
+            "host_bytes_total": self.host_budget.capacity if self.host_budget else 0,
+            "host_bytes_stored": sum(h.bytes_stored for h in hosts),
+            "host_bytes_loaded": sum(h.bytes_loaded for h in hosts),
         }
 
     def check(self) -> None:

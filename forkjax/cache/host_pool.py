@@ -148,6 +148,10 @@ class HostPagePool:
         self._queue.clear()
         return k, v
 
+    def wait(self) -> None:
+        """Block until every store that has run has landed on the host (benchmarks)."""
+        jax.block_until_ready([(b.k, b.v) for b in self._blocks.values() if b.k is not None])
+
     def free(self, ids: np.ndarray) -> None:
         """Drop host pages; a block's bytes go back to the budget with its last page (a queued
         copy that still reads the block keeps its arrays until it has run)."""

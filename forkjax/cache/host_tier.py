@@ -89,7 +89,7 @@ class HostTier:
                 if pages is None:  # evict, keeping what is loaded above (a lock on the path)
                     self.inc_lock_ref(node.parent)
                     locked.append(node.parent)
-                    self.evict(node.own_pages - self.allocator.num_free)
+                    self.evict(node.own_pages - self.allocator.num_free, held=False)
                     if not node.alive:  # its host copy made room for a write-back
                         break
                     pages = self.allocator.alloc(node.own_pages)
@@ -119,6 +119,13 @@ class HostTier:
         self.version += 1
         if node.device_leaf():
             self._push(node)
+
+    def drop_host(self) -> None:
+        """Forget every host node."""
+        tops = [c for n in [*self.roots.values(), *self._nodes()] if n.host is None
+                for c in n.children.values() if c.host is not None]
+        for node in tops:
+            self._drop_host_subtree(node)
 
     def host_size(self) -> int:
         return self.host_pages

@@ -58,4 +58,6 @@ class ScheduledBatch:
     base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes
     res_copies: list[tuple[int, int]]
     rows: list[BatchRow] = dataclasses.field(default_factory=list)  # per entry, for the runner
+    # (base, residual) HostPagePool or None: their queued write-backs and loads run first
+    host_pools: tuple = (None, None)
     samples: list[int] = dataclasses.field(default_factory=list)  # entries that sample a token

@@ -264,6 +264,7 @@ class ModelRunner:
         before that one has finished."""
         b, c, w = batch_shape(batch, self.buckets)
         t0 = time.perf_counter()
+        self._host_copies(batch.host_pools)
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
         fanout = self.fanout or any(r.fan_slots for r in batch.rows)
@@ -322,6 +323,17 @@ class ModelRunner:
     def _static(self, kind, all_logits, hidden) -> dict:
         return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,
                     use_pallas=self.use_pallas)
+
+    def _host_copies(self, host_pools):
+        """Run the host tier's queued write-backs and loads (cache/host_pool.py) before the
+        step: the step may write pages just written back, and reads pages just loaded."""
+        base, res = host_pools
+        pools = self.pools
+        if base is not None and base.pending:
+            pools = pools._replace(**dict(zip(("base_k", "base_v"), base.execute(pools.base_k, pools.base_v))))
+        if res is not None and res.pending:
+            pools = pools._replace(**dict(zip(("res_k", "res_v"), res.execute(pools.res_k, pools.res_v))))
+        self.pools = pools
 
     def _copy(self, base_pairs, res_pairs, size: int | None = None):
         """Dispatch the copy-on-write page copies, padded to a decode bucket with sink-to-sink

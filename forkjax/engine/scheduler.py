@@ -238,7 +238,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             base += b
             res += r
             self._copies[seq.id] = ([], [])
-        return ScheduledBatch(kind, seqs, chunks, base, res)
+        return ScheduledBatch(kind, seqs, chunks, base, res, host_pools=self.cache.host_pools)
 
     def _preempt_one(self, protect: Sequence):
         """Free the running request of the youngest workflow (admission.py: the older workflow

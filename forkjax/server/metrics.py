@@ -61,6 +61,12 @@ def render(s: dict, model_name: str) -> str:
     metric("kv_pages_evicted_total", "counter",
            "KV cache pages freed by eviction (/flush_cache included), per pool.",
            [(f'pool="{p}"', s[f"evicted_{p}_pages"]) for p in POOLS])
+    metric("host_hit_tokens_total", "counter",
+           "Prompt tokens loaded from the host tier instead of recomputed (--host-kv-bytes).",
+           [("", s["host_hit_tokens"])])
+    metric("host_bytes_used", "gauge", "Host tier bytes holding KV pages.", [("", s["host_bytes_used"])])
+    metric("host_bytes_transferred_total", "counter", "KV bytes copied to and from the host tier.",
+           [('direction="stored"', s["host_bytes_stored"]), ('direction="loaded"', s["host_bytes_loaded"])])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", s["generation_tokens"])])
     metric("decode_batch_size_mean", "gauge", "Mean number of requests per decode step.",
            [("", s["decode_batch_size_mean"])])

@@ -1,0 +1,62 @@
+"""The engine with a host tier (`host_kv_bytes`): agents whose histories were pushed off a small
+device pool come back for their next turn and find them on the host. Their outputs (float32,
+greedy) equal those of an unlimited pool, under every policy, the loaded pages are counted, and
+less is recomputed than without the tier; `flush_cache` empties both tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+import forkjax
+from conftest import SMALL
+from test_engine_cache import _mild_adapters, _prompt, _shared_a_adapters
+
+POLICIES = ("prefix", "full_reuse", "forkkv", "forkkv+fanout", "lrshared")
+
+
+def _turns(engine, names, histories, suffixes):
+    """Two turns of every agent, one agent at a time: its history, then the history, the answer
+    and a new observation."""
+    first = [engine.generate([h], adapters=[n], max_new_tokens=4)[0] for n, h in zip(names, histories)]
+    second = [engine.generate([h + a + s], adapters=[n], max_new_tokens=4)[0]
+              for n, h, a, s in zip(names, histories, first, suffixes)]
+    return first, second
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_agents_find_their_histories_on_the_host(policy):
+    adapters = _shared_a_adapters(3) if policy == "lrshared" else _mild_adapters(3)
+    names = list(adapters)[:2] * 2
+    histories = [_prompt(40 + i, 96 + 8 * i) for i in range(4)]  # distinct: exact per agent
+    suffixes = [_prompt(60 + i, 12) for i in range(4)]
+    kw = dict(SMALL, adapters=adapters, dtype="float32", cache_policy=policy.removesuffix("+fanout"),
+              residual_fanout=policy.endswith("+fanout"))
+    want = _turns(forkjax.Engine.from_pretrained("tiny-llama", **kw), names, histories, suffixes)
+    # Room for about two histories on the device (a tiny-llama base page is 32 KiB, a residual
+    # page 8 KiB per adapter), the rest on the host.
+    kw["kv_cache_bytes"] = 16 * (32768 + (3 * 8192 if policy.startswith("forkkv") else 8192))
+    runs = {}
+    for host in (0, 64 << 20):
+        with forkjax.Engine.from_pretrained("tiny-llama", host_kv_bytes=host, **kw) as engine:
+            assert _turns(engine, names, histories, suffixes) == want
+            runs[host] = engine.stats()
+    off, on = runs[0], runs[64 << 20]
+    assert off["host_bytes_loaded"] == off["host_hit_tokens"] == 0
+    assert on["host_bytes_stored"] > 0 and on["host_bytes_loaded"] > 0 and on["host_hit_tokens"] > 0
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert 0 < on["host_bytes_used"] <= on["host_bytes_total"] == 64 << 20
+
+
+def test_flush_empties_both_tiers():
+    kw = dict(SMALL, adapters=_mild_adapters(1), dtype="float32", kv_cache_bytes=8 * 32768 * 2)
+    with forkjax.Engine.from_pretrained("tiny-llama", host_kv_bytes=16 << 20, **kw) as engine:
+        for i in range(4):
+            engine.generate([_prompt(80 + i, 100)], adapters=["a0"], max_new_tokens=2)
+        assert engine.stats()["host_bytes_used"] > 0
+        engine.flush_cache()
+        s = engine.stats()
+        assert s["host_bytes_used"] == 0 and s["base_pages_used"] == 0
+        engine.cache.check()
+        # A prompt seen before is computed again, not loaded.
+        engine.generate([_prompt(80, 100)], adapters=["a0"], max_new_tokens=2)
+        assert engine.stats()["host_hit_tokens"] == 0
