@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 tests
 
 # SmolLM2-135M-Instruct and its trained agents; ARGS="--model tiny-llama" (a later --model wins)
 serve: $(STAMP)

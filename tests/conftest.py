@@ -30,20 +30,6 @@ os.environ.setdefault("PJRT_NPROC", "16")
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-# The suite's longest tests (minutes each on 2 cores) run first: a worker that drew one of them
-# last would keep CI waiting for its whole length while the other stands idle. With
-# `--dist worksteal` (the Makefile's), the worker that starts on them gives its other tests to
-# the one that runs out of work.
-LONGEST = ("test_fidelity.py::test_quick_fidelity_run",
-           "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch",
-           "test_gguf.py::test_trained_agents_do_their_tasks", "test_readme.py::test_serving_example",
-           "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))  # stable
-
-
 def bench_workflows():
     """scripts/bench_workflows.py as a module (scripts are not a package)."""
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_workflows.py")

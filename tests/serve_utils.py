@@ -5,9 +5,8 @@ The `server` and `forkkv_server` fixtures (conftest.py) start one of each per xd
 runs any server test, so every test sees only its own worker's traffic and may read the
 server's counters. `server` runs the exact `prefix` policy in float32 (concurrent answers must
 equal one-by-one answers), small compile buckets, a 1024-token context and a KV pool smaller than
-that context (to reach the "does not fit the pool" error) with a host tier behind it (what the
-pool evicts is loaded back, not recomputed). Residual fan-out needs `forkkv`: one test uses a
-second, smaller server for it.
+that context (to reach the "does not fit the pool" error). Residual fan-out needs `forkkv`: one
+test uses a second, smaller server for it.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ DEMO = ("planner", "coder", "critic")
 CONTEXT = 1024
 SERVER_ARGS = ["--dtype", "float32", "--cache-policy", "prefix", "--max-batch-size", "8",
                "--max-prefill-tokens", "128", "--max-model-len", str(CONTEXT), "--kv-cache-bytes", "2M",
-               "--host-kv-bytes", "8M",
                "--api-key", KEY, "--max-request-bytes", "1M", "--body-timeout", "5", "--host", "127.0.0.1",
                "--port", "0"]
 STARTUP_S = 420  # a cold compile cache on 2 busy cores
