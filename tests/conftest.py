@@ -30,6 +30,32 @@ os.environ.setdefault("PJRT_NPROC", "16")
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
+# The suite's longest tests (minutes each on 2 cores) start first, half on each worker. xdist's
+# default scheduling first hands each of the Makefile's 2 workers a run of len/8 consecutive
+# tests, then more as they drain; collection order would draw these last, and one of them would
+# keep CI waiting for its whole length while the other worker stands idle.
+LONGEST = ("test_fidelity.py::test_quick_fidelity_run",
+           "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[forkkv]",
+           "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[full_reuse]",
+           "test_gguf.py::test_trained_agents_do_their_tasks", "test_readme.py::test_serving_example",
+           "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s")
+WORKERS = 2
+
+
+def pytest_collection_modifyitems(items):
+    by_id = {item.nodeid.removeprefix("tests/"): item for item in items}
+    long = [by_id[name] for name in LONGEST if name in by_id]
+    rest = [item for item in items if item not in long]
+    chunk = max(len(items) // WORKERS // 4, 2)  # xdist LoadScheduling's first run per worker
+    ordered = []
+    for w in range(WORKERS):
+        mine = long[w::WORKERS]
+        take = max(chunk - len(mine), 0)
+        ordered += mine + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
+
+
 def bench_workflows():
     """scripts/bench_workflows.py as a module (scripts are not a package)."""
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_workflows.py")

@@ -50,8 +50,8 @@ def test_kv_budget_sets_the_workspace_aside():
 def test_workspace_bounds_the_compiled_programs():
     """XLA's temporary bytes of every program an engine ran, a scoring program (every token's
     logits and hidden states) included, stay within the estimate."""
-    kw = dict(dtype="float32", max_batch_size=8, max_prefill_tokens=128, max_model_len=256,
-              kv_cache_bytes=8 << 20, progress=False, warmup=False)
+    kw = dict(dtype="float32", max_batch_size=8, max_prefill_tokens=128, max_model_len=512,
+              kv_cache_bytes=32 << 20, progress=False, warmup=False)  # conftest.SMALL's shapes
     with forkjax.Engine.from_pretrained("tiny-llama", **kw) as engine:
         engine.score(list(range(1, 200)), return_hidden_states=True)  # two chunks
         engine.generate(["Hello"] * 8, max_new_tokens=2)

@@ -10,17 +10,17 @@ import pytest
 
 import forkjax
 
-BASE = dict(dtype="float32", max_prefill_tokens=64, max_model_len=256, max_batch_size=8,
-            kv_cache_bytes=16 << 20, progress=False, warmup=False)
+# The first engine has the shapes of the suite's usual small engine (conftest.SMALL), whose
+# programs other tests compile too.
+BASE = dict(dtype="float32", max_prefill_tokens=128, max_model_len=512, max_batch_size=8,
+            kv_cache_bytes=32 << 20, progress=False, warmup=False)
 # Each differs from BASE in what a step program's arguments are shaped by.
 VARIANTS = {
     "max_batch_size 8": {},
     "max_batch_size 4": dict(max_batch_size=4),
-    "max_batch_size 2, prefix": dict(max_batch_size=2, cache_policy="prefix"),
-    "max_prefill_tokens 32": dict(max_prefill_tokens=32),
-    "a smaller pool": dict(kv_cache_bytes=8 << 20),
-    "max_batch_size 16, full_reuse": dict(max_batch_size=16, cache_policy="full_reuse"),
-    "forkkv+fanout": dict(residual_fanout=True),
+    "max_batch_size 2, prefix, max_prefill_tokens 32": dict(max_batch_size=2, cache_policy="prefix",
+                                                           max_prefill_tokens=32),
+    "a smaller pool, fan-out": dict(kv_cache_bytes=8 << 20, residual_fanout=True),
     "fewer adapter slots, a larger rank": dict(max_loras=4, max_lora_rank=32),
 }
 PROMPTS = ["The quick brown fox", "Hello"]
