@@ -17,11 +17,9 @@ BASE = dict(dtype="float32", max_prefill_tokens=128, max_model_len=512, max_batc
 # Each differs from BASE in what a step program's arguments are shaped by.
 VARIANTS = {
     "max_batch_size 8": {},
-    "max_batch_size 4": dict(max_batch_size=4),
-    "max_batch_size 2, prefix, max_prefill_tokens 32": dict(max_batch_size=2, cache_policy="prefix",
-                                                           max_prefill_tokens=32),
-    "a smaller pool, fan-out": dict(kv_cache_bytes=8 << 20, residual_fanout=True),
-    "fewer adapter slots, a larger rank": dict(max_loras=4, max_lora_rank=32),
+    "max_batch_size 4, max_prefill_tokens 32, a smaller pool, fan-out, fewer adapter slots": dict(
+        max_batch_size=4, max_prefill_tokens=32, kv_cache_bytes=8 << 20, residual_fanout=True,
+        max_loras=4, max_lora_rank=32),
 }
 PROMPTS = ["The quick brown fox", "Hello"]
 
