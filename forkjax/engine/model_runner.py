@@ -330,9 +330,11 @@ class ModelRunner:
         base, res = host_pools
         pools = self.pools
         if base is not None and base.pending:
-            pools = pools._replace(**dict(zip(("base_k", "base_v"), base.execute(pools.base_k, pools.base_v))))
+            k, v = base.execute(pools.base_k, pools.base_v)
+            pools = pools._replace(base_k=k, base_v=v)
         if res is not None and res.pending:
-            pools = pools._replace(**dict(zip(("res_k", "res_v"), res.execute(pools.res_k, pools.res_v))))
+            k, v = res.execute(pools.res_k, pools.res_v)
+            pools = pools._replace(res_k=k, res_v=v)
         self.pools = pools
 
     def _copy(self, base_pairs, res_pairs, size: int | None = None):
