@@ -267,9 +267,11 @@ def build_replay(args, policy: str, names: list[str], max_model_len: int):
                         **engine.describe())
 
 
-def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens) -> dict:
-    """One timed run of `n` slots over `args.totals[n]` workflows, then the per-agent KV of one
-    workflow alone."""
+def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens,
+              one: dict | None = None) -> tuple[dict, dict]:
+    """One timed run of `n` slots over `args.totals[n]` workflows, then (unless `one`, a previous
+    point's, is given: it does not depend on n) the cache of one workflow run alone, whose bytes
+    give the per-agent KV. -> (row, one)"""
     shape = dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
     total = args.totals[n]
     runner.fresh()
@@ -281,8 +283,9 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
     result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
     steps = {"steps": runner.engine.metrics.record_steps(False)} if args.step_log else {}
-    runner.fresh()  # an empty cache whose budget evicts nothing; tool latency changes no KV
-    _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
+    if one is None:  # an empty cache whose budget evicts nothing; tool latency changes no KV
+        runner.fresh()
+        _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
     cache = runner.engine.cache
     minimal = prefill_tokens_minimal(result.records, cache.policy.name, cache.page_size,
                                      fanout=policy == "forkkv+fanout")
@@ -299,7 +302,7 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions")}, **steps}
+                                         "preemptions")}, **steps}, one
 
 
 def git_commit() -> str | None:
@@ -353,8 +356,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                    sleep=engine.sleep)
             else:
                 runner = InProcess(engine, fanout, args.session_hints)
+            one = None
             for n in counts:
-                row = {**meta, **run_point(runner, args, policy, n, names, profile, tokens), **build}
+                point, one = run_point(runner, args, policy, n, names, profile, tokens, one)
+                row = {**meta, **point, **build}
                 rows.append(row)
                 run_dir = f"{policy.replace('+', '-')}-{n}"  # names a device's file transfer keeps
                 write_json(os.path.join(args.out, "results.json" if single else f"{run_dir}/results.json"),
