@@ -1,5 +1,5 @@
-"""Multi-agent workflow benchmark (ForkKV §7: Figs. 11 and 14): closed-loop ReAct or MapReduce
-workflows of LoRA agents on one base model, tasks/s against concurrent workflows, per policy.
+"""Multi-agent workflow benchmark (ForkKV §7: Figs. 11 and 14): closed-loop ReAct, MapReduce or
+parallel-round workflows of LoRA agents on one base model, tasks/s against concurrent workflows, per policy.
 
     # GPU headline: ReAct, 3 agents x 4 rounds over a 4k shared context, 64 generated + 64
     # observed tokens a turn, 4/16/32 concurrent workflows, every policy
@@ -10,6 +10,9 @@ workflows of LoRA agents on one base model, tasks/s against concurrent workflows
     PYTHONPATH=. python3 scripts/bench_workflows.py --pattern mapreduce --workflows 16 \\
         --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 --gen 64 \\
         --out $OUT/mapreduce
+    # Parallel rounds (debate): 3 agents answer the same growing history at once, 4 rounds
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern parallel --sweep 16,32 --total 3x \\
+        --policy prefix,forkkv+fanout --context 4096 --gen 64 --out $OUT/parallel
     # Steady state: 16 and 32 slots, each running 3x as many workflows in all (a finished
     # workflow's slot starts the next one)
     PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --sweep 16,32 --total 3x \\
@@ -104,6 +107,8 @@ GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 # at 64; the running batch of these workflows stays below it.
 GPU_MAX_BATCH = 64
 FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
+# The host tier's counters (engine stats; zero without --host-kv-bytes)
+HOST_KEYS = ("host_hit_tokens", "host_bytes_loaded", "host_bytes_stored", "host_bytes_used")
 
 
 
@@ -128,12 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"))
     p.add_argument("--kv-cache-bytes", type=float, default=None,
                    help="KV budget in bytes (16e9 on a GPU and with --replay, 64 MiB on a CPU)")
+    p.add_argument("--host-kv-bytes", type=float, default=0,
+                   help="host memory for KV pages evicted from the device (the host tier; 0: off)")
     p.add_argument("--profile", default="fixed", choices=("fixed", *PROFILES),
                    help="lengths: fixed (the flags below) or a dataset's (forkjax/workflows/profiles.py)")
     for name, default in FIXED_DEFAULTS.items():
         p.add_argument(f"--{name}", type=int, default=None, help=f"{name} tokens, fixed profile ({default})")
-    p.add_argument("--rounds", type=int, default=4, help="ReAct rounds (a turn of every agent each)")
-    p.add_argument("--agents", type=int, default=3, help="ReAct agents")
+    p.add_argument("--rounds", type=int, default=4, help="ReAct and parallel rounds (a turn of every agent each)")
+    p.add_argument("--agents", type=int, default=3, help="ReAct and parallel agents")
     p.add_argument("--mappers", type=int, default=4, help="MapReduce mappers (plus one reducer)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
@@ -180,6 +187,10 @@ def check_args(args) -> tuple[list[str], list[int]]:
                          "not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
+    if args.host_kv_bytes < 0 or (args.host_kv_bytes and args.replay):
+        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: bytes >= 0, not with --replay "
+                         "(the replay has no step cost for host copies)")
+    args.host_kv_bytes = int(args.host_kv_bytes)
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
         raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
     if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
@@ -247,7 +258,8 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         max_loras=len(names) + 1, residual_fanout=policy == "forkkv+fanout",
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
-        max_prefill_tokens=args.max_prefill_tokens, warmup=not args.no_warmup, progress=True,
+        max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,
+        warmup=not args.no_warmup, progress=True,
         compile_workers=args.compile_workers)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
                         compile_breakdown=COMPILE_TIMES.since(before))
@@ -302,7 +314,7 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions")}, **steps}, one
+                                         "preemptions", *HOST_KEYS)}, **steps}, one
 
 
 def git_commit() -> str | None:

@@ -27,6 +27,8 @@
 #   mapreduce  bench_workflows.py MapReduce headline (4 mappers +   mapreduce/, ...    ~2-4 min
 #           reducer, 4k document, 64 tokens), $WF_POLICIES, $WF_COUNTS (16),       a policy
 #           $WF_TOTAL
+#   parallel   the same with parallel rounds (3 agents x 4 rounds    parallel/, ...
+#           answering the same history at once, 4k context, 64 tokens)
 #
 # Workflow results record $FORKJAX_COMMIT (pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -107,7 +109,7 @@ PY
         ;;
     kvw)
         run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
-    react | mapreduce)
+    react | mapreduce | parallel)
         policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
         [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" \
             || shape="--sweep ${WF_COUNTS:-16}"

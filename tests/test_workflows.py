@@ -1,4 +1,4 @@
-"""Agent workflows: the shapes ReAct and MapReduce hand the engine, the length profiles, the
+"""Agent workflows: the shapes ReAct, MapReduce and parallel rounds hand the engine, the length profiles, the
 closed loop's slots and timing, the session fields both drivers send, the minimal prefill
 replay, and smoke runs of scripts/bench_workflows.py for every policy."""
 
@@ -12,8 +12,8 @@ import pytest
 from conftest import bench_workflows
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
-from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ReActWorkflow, RequestRecord,
-                               RunResult, TokenSampler, agent_names, fixed_profile,
+from forkjax.workflows import (PROFILES, LengthDist, MapReduceWorkflow, ParallelWorkflow,
+                               ReActWorkflow, RequestRecord, RunResult, TokenSampler, agent_names, fixed_profile,
                                get_profile, longest_request, make_workflows, workflow_source)
 from forkjax.workflows.driver import run_in_process
 from forkjax.workflows.loop import ClosedLoop
@@ -97,6 +97,35 @@ def test_mapreduce_maps_together_then_reduces_in_mapper_order():
     assert len(red.prompt) + gen == longest_request("mapreduce", w.profile, mappers=3)
     w.complete(red, _fake_output(red), 0.3)
     assert w.done
+
+
+def test_parallel_rounds_answer_together_then_read_every_answer_in_agent_order():
+    ctx, instr, gen = 40, 3, 4
+    agents = ["a0", "a1", "a2"]
+    prof = fixed_profile(ctx, gen, 0, instr)
+    w = ParallelWorkflow(1, agents, 2, prof, TOKENS, np.random.default_rng(3))
+    first = w.pop_ready(0.0)
+    assert [r.adapter for r in first] == agents and [r.turn for r in first] == [0, 1, 2]
+    assert w.pop_ready(0.0) == [] and w.next_ready_at() is None
+    for i, r in enumerate(first):
+        assert r.prompt == w.context + w.cues[i] and r.max_tokens == gen and not r.last
+        assert set(r.fanout_adapters) == set(agents) - {r.adapter}
+    outs = [_fake_output(r) for r in first]
+    for r in reversed(first):  # finish out of order: the round waits for every answer
+        assert w.pop_ready(0.1) == []
+        w.complete(r, outs[r.turn], 0.1)
+    second = w.pop_ready(0.2)
+    history = [t for i in range(3) for t in w.cues[i] + outs[i]]
+    for i, r in enumerate(second):
+        assert r.turn == 3 + i and r.prompt == w.context + history + w.cues[i]
+        assert r.last and r.fanout_adapters == ()
+    assert w.final_tokens == len(second[0].prompt) + gen == longest_request("parallel", prof, agents=3, rounds=2)
+    w.complete(second[1], _fake_output(second[1]), 0.3)
+    with pytest.raises(ValueError, match="twice"):
+        w.complete(second[1], _fake_output(second[1]), 0.3)
+    for r in (second[0], second[2]):
+        w.complete(r, _fake_output(r), 0.3)
+    assert w.done and w.pop_ready(0.4) == []
 
 
 @pytest.mark.parametrize("pattern", ["react", "mapreduce"])
@@ -351,7 +380,7 @@ def test_bench_smoke_every_policy(tmp_path, pattern):
     assert by["prefix"]["residual_hit_rate"] == 0
 
 
-@pytest.mark.parametrize("pattern", ["react", "mapreduce"])
+@pytest.mark.parametrize("pattern", ["react", "mapreduce", "parallel"])
 def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_path, pattern):
     # Prompts off page boundaries, slots refilled; the CPU default pool (64 MiB) holds everything.
     # No prompt is 1 past a multiple of the 16-token chunks: a prompt chunked up to its last token
@@ -394,6 +423,8 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--sweep", "2,4", "--total", "3"], "--total"),
                         (["--total", "many"], "--total"),
                         (["--replay", "--http"], "--replay"),
+                        (["--replay", "--host-kv-bytes", "1e9"], "--host-kv-bytes"),
+                        (["--host-kv-bytes", "-1"], "--host-kv-bytes"),
                         (["--step-log", "--http"], "--step-log"),
                         (["--model", "no-such-model"], "--model")):
         with pytest.raises(ValueError, match=match):
@@ -420,3 +451,15 @@ def test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch(tmp_path, 
     assert at[12]["decode_batch_size_mean"] >= 0.9 * at[6]["decode_batch_size_mean"]
     assert at[12]["prefill_tokens_computed"] <= 1.1 * 2 * at[6]["prefill_tokens_computed"]
     assert all(r["recompute_ratio"] <= 1.10 for r in rows), [r["recompute_ratio"] for r in rows]
+
+
+def test_bench_host_tier_counters_reach_the_results(tmp_path):
+    """--host-kv-bytes gives the engine a host tier: under pressure evicted pages are written
+    back (stored bytes counted in results.json) and nothing is computed twice."""
+    row, = bench_workflows().main(["--model", "tiny-llama", "--workflows", "6", "--policy", "prefix",
+                                   "--kv-cache-bytes", "3e6", "--host-kv-bytes", "64e6", "--context", "256",
+                                   "--gen", "8", "--obs", "8", "--rounds", "2", "--no-warmup",
+                                   "--out", str(tmp_path)])
+    assert row["host_kv_bytes"] == 64_000_000 and row["host_bytes_stored"] > 0
+    assert row["host_bytes_used"] <= 64_000_000 and row["recompute_ratio"] == 1.0
+    assert json.loads((tmp_path / "results.json").read_text())["host_bytes_stored"] == row["host_bytes_stored"]

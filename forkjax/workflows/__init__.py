@@ -1,4 +1,4 @@
-"""Agent workflows (ReAct, MapReduce) over length profiles of real datasets, and the drivers that
+"""Agent workflows (ReAct, MapReduce, parallel rounds) over length profiles of real datasets, and the drivers that
 run them closed-loop (N slots, M workflows) against an Engine in process, a server over HTTP, or
 a model-free replay of the scheduler (replay.py)."""
 
@@ -11,16 +11,18 @@ import numpy as np
 from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
 from forkjax.workflows.loop import ClosedLoop, WorkflowSource
 from forkjax.workflows.mapreduce import MapReduceWorkflow
+from forkjax.workflows.parallel import ParallelWorkflow
 from forkjax.workflows.profiles import PROFILES, LengthDist, Profile, fixed_profile, get_profile
 from forkjax.workflows.react import ReActWorkflow
 from forkjax.workflows.results import RequestRecord, RunResult
 
-PATTERNS = ("react", "mapreduce")
+PATTERNS = ("react", "mapreduce", "parallel")
 
 
 def agent_names(pattern: str, *, agents: int = 3, mappers: int = 4) -> list[str]:
-    """Adapter names of one workflow's agents: ReAct agent0..; MapReduce mapper0.. + reducer."""
-    if pattern == "react":
+    """Adapter names of one workflow's agents: ReAct and parallel agent0..; MapReduce mapper0..
+    + reducer."""
+    if pattern in ("react", "parallel"):
         return [f"agent{i}" for i in range(agents)]
     if pattern == "mapreduce":
         return [f"mapper{i}" for i in range(mappers)] + ["reducer"]
@@ -37,7 +39,9 @@ def workflow_maker(pattern: str, profile: Profile, tokens: TokenSampler, *, seed
     if pattern == "react":
         return lambda i: ReActWorkflow(i, names, rounds, profile, tokens, rng(i), tool_latency)
     if tool_latency:
-        raise ValueError("tool_latency applies to ReAct only (MapReduce calls no tools)")
+        raise ValueError("tool_latency applies to ReAct only (the other patterns call no tools)")
+    if pattern == "parallel":
+        return lambda i: ParallelWorkflow(i, names, rounds, profile, tokens, rng(i))
     return lambda i: MapReduceWorkflow(i, names[:-1], names[-1], profile, tokens, rng(i))
 
 
@@ -60,10 +64,12 @@ def longest_request(pattern: str, profile: Profile, *, agents: int = 3, rounds: 
         return ReActWorkflow.longest_request(profile, agents, rounds)
     if pattern == "mapreduce":
         return MapReduceWorkflow.longest_request(profile, mappers)
+    if pattern == "parallel":
+        return ParallelWorkflow.longest_request(profile, agents, rounds)
     raise ValueError(f"pattern {pattern!r}: expected one of {PATTERNS}")
 
 
-__all__ = ["PATTERNS", "PROFILES", "ClosedLoop", "LengthDist", "MapReduceWorkflow", "Profile",
+__all__ = ["PATTERNS", "PROFILES", "ClosedLoop", "LengthDist", "MapReduceWorkflow", "ParallelWorkflow", "Profile",
            "ReActWorkflow", "RequestRecord", "RunResult", "TokenSampler", "TurnRequest", "Workflow",
            "WorkflowSource", "agent_names", "fixed_profile", "get_profile", "longest_request",
            "make_workflows", "workflow_maker", "workflow_source"]
