@@ -1,5 +1,6 @@
 """Multi-agent workflow benchmark (ForkKV §7: Figs. 11 and 14): closed-loop ReAct, MapReduce or
-parallel-round workflows of LoRA agents on one base model, tasks/s against concurrent workflows, per policy.
+parallel-round workflows of LoRA agents on one base model, tasks/s against concurrent workflows,
+per policy.
 
     # GPU headline: ReAct, 3 agents x 4 rounds over a 4k shared context, 64 generated + 64
     # observed tokens a turn, 4/16/32 concurrent workflows, every policy
@@ -68,9 +69,10 @@ programs across engines and runs; `compile_s` then counts loading them). Lengths
 observation) tokens; --profile loogle|narrativeqa|apigen draws them instead. The KV budget
 defaults to 16e9 bytes on a GPU and with --replay: what a 40-80 GB GPU keeps for K/V beside a larger model's
 weights, i.e. the memory contention ForkKV is about (an H200 would otherwise give ~100 GB, where no
-policy runs out of room); 64 MiB on a CPU. `per_agent_kv_bytes` is measured after each run in a
-budget that evicts nothing: the cache flushed, ONE workflow of the same shape (no tool latency)
-runs alone, and the bytes both pools hold at its end are divided by its agents.
+policy runs out of room); 64 MiB on a CPU. `per_agent_kv_bytes` is measured once per policy,
+before its runs, in a budget that evicts nothing: the cache flushed, ONE workflow of the same
+shape (no tool latency) runs alone, and the bytes both pools hold at its end are divided by its
+agents.
 
 Output: a single run writes DIR/results.json; several (a sweep, or policies) write
 DIR/<policy>-<N>/results.json each (`forkkv+fanout` as `forkkv-fanout`), DIR/summary.csv, DIR/throughput.png (Fig. 11 style) and
@@ -139,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths: fixed (the flags below) or a dataset's (forkjax/workflows/profiles.py)")
     for name, default in FIXED_DEFAULTS.items():
         p.add_argument(f"--{name}", type=int, default=None, help=f"{name} tokens, fixed profile ({default})")
-    p.add_argument("--rounds", type=int, default=4, help="ReAct and parallel rounds (a turn of every agent each)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="ReAct and parallel rounds (a turn of every agent each)")
     p.add_argument("--agents", type=int, default=3, help="ReAct and parallel agents")
     p.add_argument("--mappers", type=int, default=4, help="MapReduce mappers (plus one reducer)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
@@ -279,12 +282,23 @@ def build_replay(args, policy: str, names: list[str], max_model_len: int):
                         **engine.describe())
 
 
-def run_point(runner, args, policy: str, n: int, names: list[str], profile, tokens,
-              one: dict | None = None) -> tuple[dict, dict]:
-    """One timed run of `n` slots over `args.totals[n]` workflows, then (unless `one`, a previous
-    point's, is given: it does not depend on n) the cache of one workflow run alone, whose bytes
-    give the per-agent KV. -> (row, one)"""
-    shape = dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
+def workflow_shape(args) -> dict:
+    """The shape keywords of `make_workflows` and `workflow_source`."""
+    return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
+
+
+def per_agent_kv(runner, args, policy: str, names: list[str], profile, tokens) -> float:
+    """Bytes both pools hold after one workflow ran alone in an empty cache whose budget evicts
+    nothing (tool latency changes no KV), divided by its agents."""
+    runner.fresh()
+    shape = workflow_shape(args)
+    _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
+    return (one["base_bytes_used"] + one["residual_bytes_used"]) / len(names)
+
+
+def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
+    """One timed run of `n` slots over `args.totals[n]` workflows."""
+    shape = workflow_shape(args)
     total = args.totals[n]
     runner.fresh()
     if args.step_log:
@@ -295,9 +309,6 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
     result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
     steps = {"steps": runner.engine.metrics.record_steps(False)} if args.step_log else {}
-    if one is None:  # an empty cache whose budget evicts nothing; tool latency changes no KV
-        runner.fresh()
-        _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
     cache = runner.engine.cache
     minimal = prefill_tokens_minimal(result.records, cache.policy.name, cache.page_size,
                                      fanout=policy == "forkkv+fanout")
@@ -306,7 +317,6 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
     return {**result.summary(), "policy": policy, "workflows": n, "total": total, "wall_s": wall_s,
             "session_hints": args.session_hints,
             "max_batch_size": runner.engine.scheduler.max_batch_size,
-            "per_agent_kv_bytes": (one["base_bytes_used"] + one["residual_bytes_used"]) / len(names),
             "base_hit_rate": stats["base_hit_tokens"] / prompt,
             "residual_hit_rate": stats["residual_hit_tokens"] / prompt,
             "prefill_tokens_minimal": minimal,
@@ -314,7 +324,7 @@ def run_point(runner, args, policy: str, n: int, names: list[str], profile, toke
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions", *HOST_KEYS)}, **steps}, one
+                                         "preemptions", *HOST_KEYS)}, **steps}
 
 
 def git_commit() -> str | None:
@@ -368,10 +378,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                    sleep=engine.sleep)
             else:
                 runner = InProcess(engine, fanout, args.session_hints)
-            one = None
+            kv = per_agent_kv(runner, args, policy, names, profile, tokens)  # the same at every n
             for n in counts:
-                point, one = run_point(runner, args, policy, n, names, profile, tokens, one)
-                row = {**meta, **point, **build}
+                row = {**meta, **run_point(runner, args, policy, n, profile, tokens),
+                       "per_agent_kv_bytes": kv, **build}
                 rows.append(row)
                 run_dir = f"{policy.replace('+', '-')}-{n}"  # names a device's file transfer keeps
                 write_json(os.path.join(args.out, "results.json" if single else f"{run_dir}/results.json"),

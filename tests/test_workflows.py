@@ -391,7 +391,7 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
     for r in rows:
         assert r["total"] == 5 and r["preemptions"] == 0
         assert r["prefill_tokens_computed"] == r["prefill_tokens_minimal"] > 0 and r["recompute_ratio"] == 1
-        # --step-log: every step of the run (not of the one-workflow KV run after it), timed
+        # --step-log: every step of the run (not of the one-workflow KV run), timed
         decode = [s for s in r["steps"] if s[0] == 1]
         assert sum(s[1] for s in decode) / len(decode) == pytest.approx(r["decode_batch_size_mean"])
         assert all(s[4] > 0 for s in r["steps"]) and sum(s[4] for s in r["steps"]) < r["wall_s"]

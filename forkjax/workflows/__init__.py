@@ -1,6 +1,6 @@
-"""Agent workflows (ReAct, MapReduce, parallel rounds) over length profiles of real datasets, and the drivers that
-run them closed-loop (N slots, M workflows) against an Engine in process, a server over HTTP, or
-a model-free replay of the scheduler (replay.py)."""
+"""Agent workflows (ReAct, MapReduce, parallel rounds) over length profiles of real datasets, and
+the drivers that run them closed-loop (N slots, M workflows) against an Engine in process, a
+server over HTTP, or a model-free replay of the scheduler (replay.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def longest_request(pattern: str, profile: Profile, *, agents: int = 3, rounds: 
     raise ValueError(f"pattern {pattern!r}: expected one of {PATTERNS}")
 
 
-__all__ = ["PATTERNS", "PROFILES", "ClosedLoop", "LengthDist", "MapReduceWorkflow", "ParallelWorkflow", "Profile",
-           "ReActWorkflow", "RequestRecord", "RunResult", "TokenSampler", "TurnRequest", "Workflow",
+__all__ = ["PATTERNS", "PROFILES", "ClosedLoop", "LengthDist", "MapReduceWorkflow",
+           "ParallelWorkflow", "Profile", "ReActWorkflow", "RequestRecord", "RunResult", "TokenSampler", "TurnRequest", "Workflow",
            "WorkflowSource", "agent_names", "fixed_profile", "get_profile", "longest_request",
            "make_workflows", "workflow_maker", "workflow_source"]

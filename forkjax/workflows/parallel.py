@@ -59,7 +59,7 @@ class ParallelWorkflow(Workflow):
         return len(self.context) + rounds + max(len(self.cues[a]) + self.gens[last][a] for a in range(n))
 
     def pop_ready(self, now: float) -> list[TurnRequest]:
-        if self.done or any(a is None for a in self._answers) or self._round + 1 >= self.rounds:
+        if self.done or any(a is None for a in self._answers):  # a round is in flight
             return []
         r = self._round = self._round + 1
         self._answers = [None] * len(self.agents)
