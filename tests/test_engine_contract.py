@@ -8,6 +8,7 @@ import pytest
 
 import forkjax
 from conftest import SMALL
+from forkjax.engine.sequence import SamplingParams
 
 STATS_KEYS = {"base_pages_total", "base_pages_used", "residual_pages_total", "residual_pages_used",
               "base_bytes_used", "residual_bytes_used", "prompt_tokens", "base_hit_tokens",
@@ -38,6 +39,30 @@ def test_batched_generation_equals_one_by_one(tiny):
     batched = tiny.generate(prompts, adapters=adapters, max_new_tokens=6)
     for p, a, got in zip(prompts, adapters, batched):
         assert tiny.generate([p], adapters=a, max_new_tokens=6) == [got]
+
+
+def test_unequal_prompts_share_an_extend_step_as_pieces(tiny):
+    """Rows of an extend step are padded to its longest, so prompts go as pieces of
+    `buckets.piece` tokens: a short prompt beside a long one costs its own length and the budget
+    carries part of the next; a request alone keeps one row. Outputs are those of each alone."""
+    engine = forkjax.Engine.from_pretrained("tiny-llama", dtype="float32", cache_policy="prefix",
+                                            **SMALL)
+    assert engine.runner.buckets.piece == 16  # a budget of 128 tokens in up to 8 rows
+    prompts = [list(range(3, 53)), list(range(60, 90)), list(range(100, 190))]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    seqs = [engine.add_request(p, None, params) for p in prompts]
+    batch = engine.scheduler.schedule()
+    assert batch.seqs == [seqs[0]] * 4 + [seqs[1]] * 2 + [seqs[2]] * 2
+    assert batch.chunks == [(0, 16), (16, 32), (32, 48), (48, 50), (0, 16), (16, 30), (0, 16), (16, 32)]
+    while engine.scheduler.has_work:
+        engine.step()
+    for p, seq in zip(prompts, seqs):  # `tiny` is the same model, each prompt computed alone
+        assert tiny.generate([p], max_new_tokens=4, ignore_eos=True) == [seq.output]
+    alone = engine.add_request(list(range(150, 240)), None, params)
+    assert engine.scheduler.schedule().chunks == [(0, 90)]
+    while engine.scheduler.has_work:
+        engine.step()
+    assert len(alone.output) == 4
 
 
 def test_sampling_is_seeded(tiny):

@@ -28,8 +28,9 @@ def test_completion_logprobs_agree_with_score(server, engine):
     body = dict(model="planner", prompt=PROMPT, max_tokens=6, ignore_eos=True, logprobs=3,
                 return_token_ids=True)
     with server.http() as http:
-        full = complete(http, **body)["choices"][0]
-        with http.stream("POST", "/v1/completions", json={**body, "temperature": 0, "stream": True}) as r:
+        full = complete(http, **body, cache_salt="full")["choices"][0]  # salts: see the chat test below
+        with http.stream("POST", "/v1/completions", json={**body, "temperature": 0, "stream": True,
+                                                          "cache_salt": "stream"}) as r:
             chunks = [e["choices"][0] for e in sse_events(r.iter_lines())]
     ids, lp = full["token_ids"], full["logprobs"]
     logits = engine.score(PROMPT + ids, "planner")
@@ -50,13 +51,17 @@ def test_chat_logprobs_streamed_and_not(server):
     client = server.openai()
     kw = dict(model="critic", messages=[{"role": "user", "content": "Review."}], max_tokens=8,
               temperature=0, logprobs=True, top_logprobs=2)
-    full = client.chat.completions.create(**kw).choices[0]
+    # Each call its own cache_salt, so both compute the whole prompt alike: a cache hit would
+    # compute its last tokens in another batch shape, which may change the last bits (by
+    # default the engine is not batch-invariant; deterministic mode is).
+    salted = lambda salt: {**kw, "extra_body": {"cache_salt": salt}}  # noqa: E731
+    full = client.chat.completions.create(**salted("logprobs-full")).choices[0]
     content = full.logprobs.content
     assert len(content) == 8
     for c in content:  # greedy: the chosen token is the most likely one
         assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
         assert c.bytes == list(c.token.encode())
-    stream = list(client.chat.completions.create(**kw, stream=True))
+    stream = list(client.chat.completions.create(**salted("logprobs-stream"), stream=True))
     streamed = [t for s in stream for ch in s.choices if ch.logprobs for t in ch.logprobs.content]
     assert [t.logprob for t in streamed] == [c.logprob for c in content]
     plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})

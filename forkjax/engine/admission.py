@@ -12,8 +12,10 @@
   match is kept fresh as the trees change.
 * Order (`lpm`, the default; SGLang's longest-prefix-match policy): the tokens a request would
   reuse (full hits, then base hits, pages that a running request in flight will insert for it
-  included), then arrival. `fifo` (a baseline to compare with): arrival order, and a request
-  that does not fit blocks the ones behind it. Nothing else differs.
+  included), then arrival; with more than LPM_MAX_WAITING requests waiting, arrival alone
+  (SGLang's rule: matching every waiting request at every step costs more host time than the
+  order saves). `fifo` (a baseline to compare with): arrival order, and a request that does
+  not fit blocks the ones behind it. Nothing else differs.
 * A request needs the pages it will allocate itself: its prompt and `min(max_new_tokens,
   DECODE_CLIP)` generated tokens, less its hits and less the pages in flight for it. It is
   admitted when that fits in the room (free pages and unheld evictable ones) less what the
@@ -48,6 +50,7 @@ from forkjax.engine.sessions import Session, Sessions
 # Generated tokens a request is assumed to need pages for (SGLang's CLIP_MAX_NEW_TOKENS): a
 # request asking for the whole context must not hold the pool up front.
 DECODE_CLIP = 4096
+LPM_MAX_WAITING = 128  # SGLang's bound for its longest-prefix-match order
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -115,13 +118,14 @@ class Admission:
         """Waiting requests in the order admission tries them: the urgent ones, the others that
         may go in now (lpm: by reuse), then those of workflows not admitted yet (by arrival)."""
         urgent, rest, gated = [], [], []
+        by_reuse = self.policy == "lpm" and len(waiting) <= LPM_MAX_WAITING
         for seq in waiting:
             session = self.sessions.of(seq)
             if self.is_urgent(seq):
                 urgent.append(seq)
             elif session is not None and not session.admitted:
                 gated.append(seq)
-            elif self.policy == "fifo":
+            elif not by_reuse:
                 rest.append((seq.arrival, seq.id, seq))
             else:
                 lens = self.hits(seq)

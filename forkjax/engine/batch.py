@@ -52,7 +52,7 @@ class BatchRow:
 class ScheduledBatch:
     kind: str  # "extend" | "decode"
     # ordered by adapter slot (the LoRA matmul groups tokens by slot); a request's consecutive
-    # chunks follow one another when its prompt is split into pieces (fixed buckets)
+    # chunks follow one another when its prompt is split into pieces (buckets.py)
     seqs: list  # [Sequence] whose positions it computes (the scheduler's, for its outputs)
     chunks: list[tuple[int, int]]  # per entry: positions [start, end) computed this step
     base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes

@@ -2,7 +2,12 @@
 
 Decode: batch sizes 1, 2, 4, ... up to max_batch_size (the hot path: little padding).
 Extend: chunk tokens C in 16, 64, 256, ... and requests B in 1, 4, 16, ... with B·C within
-max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs.
+max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs. A chunk
+longer than `piece` tokens goes as consecutive pieces of at most `piece`, one row each
+(scheduler.py): rows are padded to the step's longest, so two prompts of 600 and 300 tokens as
+whole rows would cost 2 x 1,024 positions for 900 tokens, and as pieces of 256 the same step
+carries the 900 and the first 1,000 of the prompts behind them. `piece` is the smallest chunk
+bucket of at least an eighth of the budget whose rows still carry the whole budget.
 Page tables: width W (pages) in 1024, 4096, ... up to the pages of max_model_len, by the batch's
 longest request, so a step of short requests never carries (or, in the kernels that size their
 work by W, computes over) the width of a 128k context; models up to 16k tokens have one width.
@@ -11,8 +16,8 @@ Fixed (deterministic mode): one program per kind, so every step of a kind runs t
 shapes, kernel splits and reduction orders whatever the batch holds, and a row's arithmetic
 depends only on its own inputs. Decode: max_batch_size rows. Extend: B rows of C tokens with
 C = max_prefill_tokens / 4 (at least MIN_CHUNK) and B·C within max_prefill_tokens; a row is one
-request's chunk, and a long prompt fills several rows with consecutive pieces of itself
-(scheduler.py), so it takes as many steps as by default. One page-table width.
+request's chunk, and a long prompt fills several rows with pieces of C tokens, so it takes as
+many steps as by default. One page-table width.
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ class Buckets:
             c = max(MIN_CHUNK, max_prefill_tokens // 4)
             self.decode_sizes, self.chunk_sizes, self.page_widths = [max_batch_size], [c], [max_pages]
             self.extend_sizes = {c: [max(1, min(max_batch_size, max_prefill_tokens // c))]}
+            self.piece = c
             return
         self.decode_sizes = _ladder(max_batch_size, 1, 2)
         self.chunk_sizes = _ladder(max_prefill_tokens, MIN_CHUNK, 4)
         self.extend_sizes = {c: _ladder(max(1, min(max_batch_size, max_prefill_tokens // c)), 1, 4)
                              for c in self.chunk_sizes}
         self.page_widths = _ladder(max_pages, MIN_PAGE_WIDTH, 4) if max_pages > MIN_PAGE_WIDTH else [max_pages]
+        # the last chunk bucket (the budget, one row) always qualifies
+        self.piece = next(c for c in self.chunk_sizes if 8 * c >= max_prefill_tokens
+                          and c * self.extend_sizes[c][-1] >= max_prefill_tokens)
 
     def width(self, pages: int) -> int:
         """Page-table width for a batch whose longest page table has `pages` entries."""

@@ -53,7 +53,8 @@ class SchedulerOutputProcessorMixin:
                 if end == len(seq):
                     self.finish(seq, "length")
         if batch.kind == "extend":  # share each chunk's whole pages with the requests in flight
-            for seq, (_, end) in zip(batch.seqs, batch.chunks):
+            ends = {seq: end for seq, (_, end) in zip(batch.seqs, batch.chunks)}  # a request's last piece
+            for seq, end in ends.items():
                 self.chunk_done(seq, end)
         for i in batch.samples:
             seq = batch.seqs[i]

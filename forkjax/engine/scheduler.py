@@ -174,7 +174,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _extend_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
         chosen, chunks, budget = [], [], self.max_prefill_tokens
-        max_chunk = self.buckets.chunk_sizes[-1]  # the budget, or less with fixed buckets
+        piece = self.buckets.piece
         for seq in seqs:
             if budget <= 0:
                 break
@@ -187,10 +187,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 end = self.inflight.wait_point(seq, start, end)
             if end <= start:
                 continue  # waits for another request's chunk
-            # Past the largest chunk bucket (fixed buckets) a chunk goes as consecutive pieces,
-            # one row each: a piece attends to the earlier ones' K/V, which every layer writes
-            # before it attends. Pieces that would exceed the compiled shapes wait a step.
-            pieces = [(p, min(p + max_chunk, end)) for p in range(start, end, max_chunk)]
+            # A chunk goes as consecutive pieces (buckets.py), one row each: a piece attends to
+            # the earlier ones' K/V, which every layer writes before it attends. Pieces that
+            # would exceed the compiled shapes wait a step.
+            pieces = [(p, min(p + piece, end)) for p in range(start, end, piece)]
             while pieces and self.buckets.extend(
                     len(chunks) + len(pieces), max(e - s for s, e in chunks + pieces)) is None:
                 pieces.pop()
@@ -206,6 +206,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         kept = [(s, c) for s, c in zip(chosen, chunks) if s.status is Status.RUNNING]
         if not kept:
             return None
+        if len({s for s, _ in kept}) == 1 and self.buckets.extend(1, kept[-1][1][1] - kept[0][1][0]):
+            # a request alone in its step goes as one row: the residual extend kernel rebuilds
+            # its merged K/V once, not once per piece
+            kept = [(kept[0][0], (kept[0][1][0], kept[-1][1][1]))]
         self.prefill_tokens_computed += sum(e - s for _, (s, e) in kept)
         return self._with_copies("extend", *map(list, zip(*kept)))
 
