@@ -25,7 +25,9 @@ added after the step, and its tokens are timed when a step's results reach the h
 same engine behind a loopback server (workflows/local_server.py: the app and engine thread of
 `python -m forkjax.serve`); each request is a streaming /v1/completions call of the openai
 client (prompt as token ids, `return_token_ids`), its tokens timed as the chunks carrying them
-arrive.
+arrive. The client runs in a process of its own, as it would in a deployment: its work (a task
+and a JSON parse per chunk) would otherwise take turns with the server's under one interpreter
+lock.
 
 Workload: --num-prompts requests of random token ids (seeded, no special tokens), greedy, EOS
 ignored, so each generates exactly its drawn output length. Lengths, --dataset:
@@ -60,11 +62,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import heapq
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import sys
@@ -214,6 +218,11 @@ async def run_http(url: str, model: str, reqs: list[SampleRequest], arrivals,
         return list(await asyncio.gather(*(one(r, a) for r, a in zip(reqs, arrivals))))
 
 
+def http_client(*args) -> list[Timing]:
+    """run_http's requests (its arguments), in the client's process."""
+    return asyncio.run(run_http(*args))
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def build_engine(args, cfg: ModelConfig, max_model_len: int):
@@ -250,7 +259,10 @@ def measured_run(engine, server, args, reqs, arrivals):
     on_engine = server.call if server else (lambda fn: fn())  # a server's engine is its thread's
     on_engine(lambda: (engine.reset_stats(), engine.metrics.record_steps()))
     if server:
-        timings = asyncio.run(run_http(server.url, args.model, reqs, arrivals, args.max_concurrency))
+        spawn = multiprocessing.get_context("spawn")  # no fork of a process running JAX threads
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as client:
+            timings = client.submit(http_client, server.url, args.model, reqs, arrivals,
+                                    args.max_concurrency).result()
     else:
         timings = run_in_process(engine, reqs, arrivals, args.max_concurrency)
     stats, steps = on_engine(lambda: (engine.stats(), engine.metrics.record_steps(False)))
