@@ -110,7 +110,8 @@ GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 GPU_MAX_BATCH = 64
 FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
 # The host tier's counters (engine stats; zero without --host-kv-bytes)
-HOST_KEYS = ("host_hit_tokens", "host_bytes_loaded", "host_bytes_stored", "host_bytes_used")
+HOST_KEYS = ("host_hit_tokens", "host_bytes_loaded", "host_bytes_stored", "host_bytes_used",
+             "host_load_stall_s")
 
 
 

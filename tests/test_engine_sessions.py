@@ -6,9 +6,11 @@ import pytest
 
 import forkjax
 from conftest import SMALL
+from forkjax.cache import DualRadixCache
 from forkjax.config import ModelConfig
-from forkjax.engine.sequence import SamplingParams, Status
-from forkjax.engine.sessions import Session
+from forkjax.engine.inflight import pool_namespaces
+from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
+from forkjax.engine.sessions import PREFETCH_LEAD_S, Session, Sessions
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
@@ -151,7 +153,10 @@ def test_a_wrong_projection_suspends_the_youngest_workflow_and_outputs_stay_exac
     (dict(session_id="s", session_end=1), "session_end"),
     (dict(session_id="s", session_tokens=0), "session_tokens"),
     (dict(session_id="s", session_tokens=2.5), "session_tokens"),
+    (dict(session_id="s", session_next_s=-1.0), "session_next_s"),
+    (dict(session_id="s", session_next_s=float("nan")), "session_next_s"),
     (dict(session_end=True), "need a session_id"),
+    (dict(session_next_s=1.0), "need a session_id"),
 ])
 def test_bad_session_arguments_are_refused(call, err):
     engine = _engine()
@@ -179,3 +184,49 @@ def test_a_sessions_paths_count_each_branch_once():
     s.grow("base", "ns", np.asarray(doc[:50], np.int32), 60)
     s.grow("res", "other", prompts[1], 172)
     assert s.pages(16) == (19 + 3 * 5, 11)
+
+
+def test_with_a_host_tier_a_workflow_reserves_only_its_live_path_on_the_device():
+    """Under `prefix` each of three agents keeps its own copy of a workflow's history (16 pages
+    each at the end of five turns). A 50-page pool admits one workflow's three copies at a time;
+    with a host tier a workflow reserves on the device only the path its live request uses, the
+    idle agents' copies wait on the host: three run at once, an agent's second turn finds its
+    path by copy, nothing is computed twice and the outputs (float32, greedy) are the same."""
+    names, kw = ["a0", "a1", "a2"], dict(kv_cache_bytes=50 * PAGE_BYTES, max_wait_s=1e9)
+    plain = _engine(**kw)
+    want, _ = _workflows(plain, names, turns=5, hint=250)
+    hosted = _engine(host_kv_bytes=64 << 20, **kw)
+    assert _workflows(hosted, names, turns=5, hint=250)[0] == want
+    s0, s1 = plain.stats(), hosted.stats()
+    assert s0["workflows_running_peak"] == 1 and s1["workflows_running_peak"] == 3
+    assert s1["host_bytes_stored"] > 0 and s1["host_bytes_loaded"] > 0
+    assert s1["host_hit_tokens"] > 0  # and no more is computed than with one workflow at a time
+    assert s1["prefill_tokens_computed"] == s0["prefill_tokens_computed"]
+    assert s1["preemptions"] == 0 and s1["workflows_suspended"] == 0
+
+
+def test_session_next_s_loads_an_idle_sessions_pages_back_before_its_next_request():
+    """A session's request ends saying its next comes in 1 s (`session_next_s`); its held path
+    goes to the host under pressure and is loaded back PREFETCH_LEAD_S before that time."""
+    cache = DualRadixCache("prefix", 16, base_pages=32, res_pages=0, base_page_bytes=1024,
+                           host_kv_bytes=1 << 20)
+    now = [0.0]
+    sessions = Sessions(cache, clock=lambda: now[0], max_tokens=512)
+    tokens = np.asarray(_prompt(5, 160), np.int32)
+    seq = Sequence(Request(tuple(tokens), "a0", 1, "a0", SamplingParams(max_new_tokens=0),
+                           session_id="w", session_next_s=1.0))
+    seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), 0.0
+    sessions.added(seq).admitted = True
+    handle = cache.begin(tokens, "a0")  # the request ran: its pages enter the tree
+    handle.reserve(len(tokens))
+    handle.commit(tokens)
+    handle.release()
+    sessions.ended(seq, tokens)  # the session holds its path, idle until its next request
+    assert cache.evict(10) == 10 and cache.match(tokens, "a0").base_len == 0  # on the host now
+    now[0] = 1.0 - PREFETCH_LEAD_S - 0.01
+    sessions.prefetch()
+    assert cache.match(tokens, "a0").base_len == 0
+    now[0] = 1.0 - PREFETCH_LEAD_S
+    sessions.prefetch()
+    assert cache.match(tokens, "a0").base_len == 160 and cache.stats()["host_bytes_loaded"] == 10 * 1024
+    cache.check()

@@ -107,14 +107,14 @@ def test_session_end_releases_the_session_over_http(server):
     with server.http() as http:
         before = server.metrics()[open_]
         complete(http, model="critic", prompt="turn one", max_tokens=2, session_id="http-wf",
-                 session_tokens=64)
+                 session_tokens=64, session_next_s=2.5)
         assert server.metrics()[open_] == before + 1
         chat = http.post("/v1/chat/completions", json={
             "model": "critic", "messages": [{"role": "user", "content": "turn two"}], "max_tokens": 2,
             "session_id": "http-wf", "session_end": True})
         assert chat.status_code == 200, chat.text
         assert server.metrics()[open_] == before
-        for field, value in (("session_end", "yes"), ("session_tokens", 0)):
+        for field, value in (("session_end", "yes"), ("session_tokens", 0), ("session_next_s", -1)):
             bad = http.post("/v1/completions", json={"model": "critic", "prompt": "x",
                                                      "session_id": "s", field: value})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == field

@@ -45,7 +45,7 @@ class ScriptedEngine:
         return {n: (i, type("A", (), {"source": n})) for i, n in enumerate(self.adapters)}
 
     def add_request(self, prompt, adapter, params, *, session_id=None, session_end=False,
-                    session_tokens=None, fanout_adapters=None, cache_salt=None):
+                    session_tokens=None, session_next_s=None, fanout_adapters=None, cache_salt=None):
         if adapter is not None and adapter not in self.adapters:
             raise KeyError(adapter)
         if not prompt:
@@ -55,7 +55,7 @@ class ScriptedEngine:
         seq = Sequence(Request(tuple(prompt), adapter, 0, salted(adapter, cache_salt), params,
                                session_id=session_id,
                                session_end=session_end, session_tokens=session_tokens,
-                               fanout=tuple(fanout.items())))
+                               session_next_s=session_next_s, fanout=tuple(fanout.items())))
         self.waiting.append(seq)
         self.added.append(seq)
         return seq

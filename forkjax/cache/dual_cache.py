@@ -77,8 +77,7 @@ class DualRadixCache:
         `fanout` {adapter slot: adapter key}: the agents whose residuals this request also
         writes (`forkkv` only: their residual namespaces must differ from its own)."""
         tokens = np.asarray(tokens, np.int32)
-        if self.host_budget is not None:
-            self._load_from_host(tokens, adapter_key, fanout or {})
+        self.prefetch(tokens, adapter_key, list((fanout or {}).values()))
         m = self.match(tokens, adapter_key)
         base = PoolSeq("base", self.base_tree, self.policy.base_ns(adapter_key), m.base_len, m.base_pages,
                        m.base_node)
@@ -97,13 +96,17 @@ class DualRadixCache:
         self._live.add(handle)
         return handle
 
-    def _load_from_host(self, tokens: np.ndarray, adapter_key: Hashable, fanout: dict) -> None:
-        """Bring the host nodes that extend this prompt's match back to the device, in each
-        namespace it reads (into free or unheld evictable pages only)."""
+    def prefetch(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> None:
+        """Bring the host nodes that extend the match of `tokens` back to the device, in each
+        namespace a request of `adapter_key` (writing `fanout_keys`' residuals) reads, into free
+        or evictable pages, held ones last (a request's start, or a session about to run)."""
+        if self.host_budget is None:
+            return
+        tokens = np.asarray(tokens, np.int32)
         spaces = [(self.base_tree, self.policy.base_ns(adapter_key))]
         if self.res_tree is not None:
             spaces += [(self.res_tree, ns) for ns in
-                       [self.policy.res_ns(adapter_key), *map(self.policy.res_ns, fanout.values())]
+                       [self.policy.res_ns(adapter_key), *map(self.policy.res_ns, fanout_keys)]
                        if ns is not None]
         for tree, ns in spaces:
             length, _, node = tree.match_prefix(ns, tokens)
@@ -138,9 +141,12 @@ class DualRadixCache:
 
     def room(self) -> tuple[int, int]:
         """(base, residual) pages that admission may give out: free ones and unheld evictable
-        ones."""
+        ones; with a host tier held ones too (evicting them costs a copy to the host, and a
+        copy back when their holder runs, not a recompute)."""
+        held = self.host_budget is not None
+
         def pages(tree):
-            return tree.allocator.num_free + tree.evictable_size(held=False) if tree else 0
+            return tree.allocator.num_free + tree.evictable_size(held=held) if tree else 0
         return pages(self.base_tree), pages(self.res_tree)
 
     def evict_unheld(self, pages: tuple[int, int]) -> None:
@@ -165,6 +171,7 @@ class DualRadixCache:
         for host in self.host_pools:
             if host is not None:
                 host.bytes_stored = host.bytes_loaded = 0
+                host.load_stall_s = 0.0
         for tree in (self.base_tree, self.res_tree):
             if tree is not None:
                 tree.evicted_pages = 0
@@ -243,6 +250,7 @@ class DualRadixCache:
             "host_bytes_total": self.host_budget.capacity if self.host_budget else 0,
             "host_bytes_stored": sum(h.bytes_stored for h in hosts),
             "host_bytes_loaded": sum(h.bytes_loaded for h in hosts),
+            "host_load_stall_s": sum(h.load_stall_s for h in hosts),
         }
 
     def check(self) -> None:

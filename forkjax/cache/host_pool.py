@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,7 @@ class HostPagePool:
         self._queue: list[tuple] = []  # ("store", block, idx) | ("load", [(block, src, dst)])
         self._next_page = self._next_block = 1
         self.bytes_stored = self.bytes_loaded = 0
+        self.load_stall_s = 0.0  # host seconds steps waited while loads were issued
 
     @property
     def num_pages(self) -> int:
@@ -143,8 +145,10 @@ class HostPagePool:
             if op == "store":
                 block.k, block.v = jax.device_put(_gather(k, v, jnp.asarray(idx), self.axis), self._host)
             else:
+                t = time.perf_counter()
                 block_k, block_v = jax.device_put((block.k, block.v), self._device)
                 k, v = _scatter(k, v, block_k, block_v, jnp.asarray(idx[0]), jnp.asarray(idx[1]), self.axis)
+                self.load_stall_s += time.perf_counter() - t
         self._queue.clear()
         return k, v
 

@@ -76,7 +76,8 @@ class HostTier:
 
     def load(self, nodes: list[TreeNode]) -> int:
         """Bring host nodes (`host_continuation`'s, top down) back to the device, evicting
-        device leaves for their pages; stops at the first that does not fit. Queues the copies
+        device leaves for their pages (held ones last: they are written back to the host in
+        turn); stops at the first that does not fit. Queues the copies
         in the host pool; returns how many nodes it loaded."""
         for node in nodes:  # most recent: the room a write-back makes is taken from others first
             node.last_access = self._clock
@@ -89,7 +90,7 @@ class HostTier:
                 if pages is None:  # evict, keeping what is loaded above (a lock on the path)
                     self.inc_lock_ref(node.parent)
                     locked.append(node.parent)
-                    self.evict(node.own_pages - self.allocator.num_free, held=False)
+                    self.evict(node.own_pages - self.allocator.num_free)
                     if not node.alive:  # its host copy made room for a write-back
                         break
                     pages = self.allocator.alloc(node.own_pages)

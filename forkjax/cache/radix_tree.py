@@ -11,9 +11,10 @@ LRU eviction pops unlocked leaves from a heap keyed by (held, last access); stal
 node was touched, locked, held, grew children or was evicted since) are skipped when popped.
 
 Holds are soft locks: held pages are evicted only after every unheld one (`evict(...,
-held=True)`), and admission counts only unheld evictable pages as room for other requests
-(`evictable_size(held=False)`). A waiting request holds the prefix it will hit, the engine the
-pages of a session that ran recently (hold.py).
+held=True)`), and without a host tier admission counts only unheld evictable pages as room
+for other requests (`evictable_size(held=False)`; with one, evicting a held page costs a copy,
+dual_cache.py). A waiting request holds the prefix it will hit, the engine the pages of a
+session that ran recently (hold.py).
 
 Host tier (`attach_host`): an evicted leaf's pages are written back to the host pool instead of
 dropped, and the node stays in the tree on the host (tree_node.py); the host keeps its own LRU

@@ -110,8 +110,8 @@ class Engine(EngineCore):
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repetition_penalty: float = 1.0, min_tokens: int = 0, logit_bias=None,
                  session_id: str | None = None, session_end: bool = False,
-                 session_tokens: int | None = None, fanout_adapters=None,
-                 cache_salt: str | None = None) -> list[list[int]]:
+                 session_tokens: int | None = None, session_next_s: float | None = None,
+                 fanout_adapters=None, cache_salt: str | None = None) -> list[list[int]]:
         """Generate for every prompt at once and return each one's new tokens. The penalties,
         `min_tokens` and `logit_bias` ({token id: bias}) are SamplingParams'. The session
         keywords apply to every prompt (`session_end`: the session ends when the last of
@@ -133,6 +133,7 @@ class Engine(EngineCore):
             for prompt, adapter, p in zip(prompts, adapters, params):
                 seq = self.add_request(prompt, adapter, p, session_id=session_id,
                                        session_end=session_end, session_tokens=session_tokens,
+                                       session_next_s=session_next_s,
                                        fanout_adapters=fanout_adapters, cache_salt=cache_salt)
                 if p.max_new_tokens == 0:
                     self.scheduler.finish(seq, "length")

@@ -107,15 +107,19 @@ class EngineCore:
     def add_request(self, prompt, adapter: str | None = None, params: SamplingParams | None = None,
                     score: bool = False, *, session_id: str | None = None,
                     session_end: bool = False, session_tokens: int | None = None,
-                    fanout_adapters=None, cache_salt: str | None = None,
-                    score_from: int = 0, return_hidden: bool = False) -> Sequence:
+                    session_next_s: float | None = None, fanout_adapters=None,
+                    cache_salt: str | None = None, score_from: int = 0,
+                    return_hidden: bool = False) -> Sequence:
         """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
 
         `session_id`: requests of one workflow: the engine admits whole workflows as their
         projected peak working sets fit, and keeps a workflow's pages between its turns
         (sessions.py), until a request with `session_end=True` (its last) finishes or the
         session has been idle for `session_ttl_s`. `session_tokens`: the tokens the workflow
-        expects to hold at its end (its final length), a hint for that projection. `fanout_adapters`
+        expects to hold at its end (its final length), a hint for that projection.
+        `session_next_s`: seconds from this request's end to the workflow's next request (a
+        tool call's expected time): with a host tier, the session's paths that went to the
+        host are loaded back shortly before (sessions.py). `fanout_adapters`
         (`forkkv`): the agents whose residuals this request writes too; None follows the
         engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
         request shares cached pages (base and residual) only with requests of the same salt
@@ -125,7 +129,7 @@ class EngineCore:
         slot = self.slots.slot_of(adapter)
         salt = check_salt(cache_salt)
         key = salted(self.slots.key_of(adapter), salt)
-        check_session(session_id, session_end, session_tokens)
+        check_session(session_id, session_end, session_tokens, session_next_s)
         fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
         params = params or SamplingParams()
         bad = [t for t, _ in params.logit_bias if t >= self.model_cfg.vocab_size]
@@ -139,7 +143,7 @@ class EngineCore:
             tuple(ids), adapter, slot, key, params, score=score, score_from=score_from,
             return_hidden=return_hidden, prefill_whole_prompt=self.config.deterministic,
             session_id=session_id, session_end=session_end, session_tokens=session_tokens,
-            fanout=tuple(fanout.items())))
+            session_next_s=session_next_s, fanout=tuple(fanout.items())))
         self.scheduler.add(seq)
         return seq
 

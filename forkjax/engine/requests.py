@@ -34,7 +34,7 @@ def check_salt(cache_salt) -> str | None:
     return cache_salt
 
 
-def check_session(session_id, session_end, session_tokens) -> None:
+def check_session(session_id, session_end, session_tokens, session_next_s=None) -> None:
     if session_id is not None and not isinstance(session_id, str):
         raise ValueError(f"session_id={session_id!r}: expected a string")
     if not isinstance(session_end, bool):
@@ -42,8 +42,12 @@ def check_session(session_id, session_end, session_tokens) -> None:
     if session_tokens is not None and (isinstance(session_tokens, bool) or not isinstance(
             session_tokens, int) or session_tokens < 1):
         raise ValueError(f"session_tokens={session_tokens!r}: expected an int >= 1")
-    if session_id is None and (session_end or session_tokens is not None):
-        raise ValueError("session_end and session_tokens need a session_id")
+    if session_next_s is not None and (isinstance(session_next_s, bool) or not isinstance(
+            session_next_s, (int, float)) or not 0 <= session_next_s < float("inf")):
+        raise ValueError(f"session_next_s={session_next_s!r}: expected seconds >= 0")
+    if session_id is None and (session_end or session_tokens is not None
+                               or session_next_s is not None):
+        raise ValueError("session_end, session_tokens and session_next_s need a session_id")
 
 
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names,

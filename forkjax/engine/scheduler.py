@@ -95,6 +95,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """The next batch. `allow_preempt=False` (a step still in flight: its requests' tokens
         are not known yet) raises PreemptionNeeded instead of preempting; calling again is safe."""
         self.sessions.expire()
+        self.sessions.prefetch()
         self.admission.admit(self.waiting, self.running, self.max_batch_size, self._start)
         workflows = len({s.session_id for s in self.running if s.session_id is not None})
         self.workflows_running_peak = max(self.workflows_running_peak, workflows)

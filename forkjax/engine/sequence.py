@@ -107,6 +107,7 @@ class Request:
     session_id: str | None = None  # a workflow's requests share one (sessions.py)
     session_end: bool = False  # its workflow's last: the session ends when it does
     session_tokens: int | None = None  # the workflow's expected final length
+    session_next_s: float | None = None  # seconds from its end to the workflow's next request
     fanout: tuple[tuple[int, Hashable], ...] = ()  # (adapter slot, key) whose residuals it writes
 
 

@@ -19,6 +19,11 @@ in pages, else one per loaded adapter where the pool keeps one per adapter), and
 what its requests so far keep (`Session.grow`: a branch per request that leaves the others). A
 session whose pages are taken after all (admission.py, scheduler.py) is suspended: its holds
 drop, its reservation is given back, and its next request is admitted like a first one.
+
+With a host tier, idle paths cost a copy, not a recompute: a session reserves on the device only
+the paths its live requests use (at least one a pool it keeps paths in), and the rest of its
+projection in host bytes, against the host budget. Its held pages are evicted like unheld ones
+(last), written back to the host, and loaded again when its next request is admitted.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from forkjax.cache.tree_node import common_prefix_len
 # Seconds a session keeps its pages held after its last request ended, unless a request ended it
 # (`session_end`): long enough for a tool call.
 SESSION_TTL_S = 30.0
+# With a host tier, an idle session's paths on the host are loaded back this long before its
+# next request is due (`session_next_s`): a few steps, ample for a long history's copy (512 MB
+# at the ~40 GB/s of the H200's host link is 13 ms).
+PREFETCH_LEAD_S = 0.25
 # Ended sessions whose final length and paths per pool project the next ones.
 HISTORY = 64
 POOLS = ("base", "res")
@@ -47,7 +56,10 @@ class Session:
     tokens_hint: int | None = None  # `session_tokens`: the final length the client expects
     holds: dict = dataclasses.field(default_factory=dict)  # adapter key -> PrefixHold
     live: int = 0  # its requests queued or running
+    # request id -> the paths it keeps in each pool (base, residual), while queued or running
+    live_paths: dict = dataclasses.field(default_factory=dict)
     idle_since: float | None = None  # when its last live request ended; None while one is live
+    next_at: float | None = None  # when its next request is due (`session_next_s`), until prefetched
     ending: bool = False  # a request said session_end: it ends when none is live
     admitted: bool = False  # holds a reservation (admission.py)
     tokens: int = 0  # longest request so far: prompt + max_new_tokens
@@ -102,6 +114,8 @@ class Sessions:
         self.num_suspended = 0
         self.capacity = (cache.base_tree.allocator.num_usable,
                          cache.res_tree.allocator.num_usable if cache.res_tree else 0)
+        self.host_capacity = cache.host_budget.capacity if cache.host_budget else 0
+        self.page_bytes = (cache.base_page_bytes, cache.res_page_bytes)
 
     # ---- a session's requests -------------------------------------------------------------
 
@@ -117,12 +131,13 @@ class Sessions:
         if s.idle_since is not None:
             self.gaps.append(self.clock() - s.idle_since)
             self.longest_gap = max(self.gaps)
-        s.idle_since = None
+        s.idle_since = s.next_at = None
         target = len(seq.prompt) + seq.params.max_new_tokens
         s.tokens = max(s.tokens, target)
         prompt = np.asarray(seq.prompt, np.int32)
         for pool, ns in seq.key_ns:
             s.grow(pool, ns, prompt, target)
+        s.live_paths[seq.id] = tuple(sum(p == pool for p, _ in seq.key_ns) for pool in POOLS)
         old = s.holds.pop(seq.adapter_key, None)
         if old is not None:
             old.release()  # the new request holds what it reuses of that agent's path
@@ -134,6 +149,7 @@ class Sessions:
         if s is None:
             return
         s.live -= 1
+        s.live_paths.pop(seq.id, None)
         s.ending |= seq.session_end
         if tokens is not None and s.admitted and not s.ending:
             old = s.holds.pop(seq.adapter_key, None)
@@ -146,6 +162,20 @@ class Sessions:
                 self._end(seq.session_id)
             else:
                 s.idle_since = self.clock()
+                if seq.req.session_next_s is not None:
+                    s.next_at = s.idle_since + seq.req.session_next_s
+
+    def prefetch(self) -> None:
+        """Load back from the host the paths of idle sessions whose next request is due within
+        PREFETCH_LEAD_S (KVFlow's idea: the copy runs while the tool call finishes)."""
+        if self.cache.host_budget is None:
+            return
+        now = self.clock()
+        for s in self.by_id.values():
+            if s.next_at is not None and s.next_at - PREFETCH_LEAD_S <= now:
+                s.next_at = None
+                for hold in s.holds.values():
+                    self.cache.prefetch(hold.tokens, hold.adapter_key, hold.fanout_keys)
 
     def of(self, seq) -> Session | None:
         return None if seq.session_id is None else self.by_id.get(seq.session_id)
@@ -172,12 +202,32 @@ class Sessions:
 
     def projection(self, s: Session) -> tuple[float, float]:
         """(base, residual) pages session `s` is expected to hold at its end."""
+        return tuple(max(paths * per_path, used) for paths, per_path, used in self._projected(s))
+
+    def reservation(self, s: Session) -> tuple[tuple[float, float], float]:
+        """((base, residual) device pages, host bytes) session `s` reserves: its whole
+        projection on the device; with a host tier, the paths of its live requests there (at
+        least one a pool) and the rest on the host."""
+        if not self.host_capacity:
+            return self.projection(s), 0.0
+        live = [sum(n[i] for n in s.live_paths.values()) for i in range(len(POOLS))]
+        device, host = [], 0.0
+        for (paths, per_path, used), n, page_bytes in zip(self._projected(s), live,
+                                                          self.page_bytes):
+            whole = max(paths * per_path, used)
+            on_device = min(whole, max(1, n) * per_path) if paths else whole
+            device.append(on_device)
+            host += (whole - on_device) * page_bytes
+        return tuple(device), host
+
+    def _projected(self, s: Session) -> tuple:
+        """Per pool: (paths, pages a path, pages its requests so far keep)."""
         key = (s.version, self._learned_version, self.num_agents())
         if s.projected is None or s.projected[0] != key:  # admission asks every step
             s.projected = key, self._project(s)
         return s.projected[1]
 
-    def _project(self, s: Session) -> tuple[float, float]:
+    def _project(self, s: Session) -> tuple:
         S = self.cache.page_size
         seen = [len({ns for pool, ns in s.paths if pool == p}) for p in POOLS]
         if self._learned is not None:
@@ -187,7 +237,7 @@ class Sessions:
             paths = [self._default_paths(p) for p in POOLS]
         tokens = max(s.tokens_hint or tokens, s.tokens)
         used = s.pages(S)
-        return tuple(max(max(k, n) * -(-tokens // S), u) for k, n, u in zip(paths, seen, used))
+        return tuple((max(k, n), -(-tokens // S), u) for k, n, u in zip(paths, seen, used))
 
     def _default_paths(self, pool: str) -> int:
         policy = self.cache.policy
@@ -228,24 +278,29 @@ class Sessions:
 
 
 class Gate:
-    """One admission pass's view of the reservations: the admitted sessions' projections, summed
-    once, grown as the pass admits more."""
+    """One admission pass's view of the reservations: the admitted sessions' (Sessions.
+    reservation), summed once, grown as the pass admits more."""
 
     def __init__(self, sessions: Sessions):
         self.sessions = sessions
         self.admitted = [x for x in sessions.by_id.values() if x.admitted]
-        self.total = [0.0] * len(POOLS)
+        self.total = [0.0] * len(POOLS)  # device pages per pool
+        self.host = 0.0  # host bytes
         for x in self.admitted:
             self._add(x, 1)
         self.refused: set[Session] = set()  # sessions that did not fit in this pass
 
     def _add(self, s: Session, sign: int) -> None:
-        for i, pages in enumerate(self.sessions.projection(s)):
+        device, host = self.sessions.reservation(s)
+        for i, pages in enumerate(device):
             self.total[i] += sign * pages
+        self.host += sign * host
 
     def _over(self, want) -> bool:
-        return any(want[i] and self.total[i] + want[i] > cap
-                   for i, cap in enumerate(self.sessions.capacity))
+        device, host = want
+        return (any(device[i] and self.total[i] + device[i] > cap
+                    for i, cap in enumerate(self.sessions.capacity))
+                or host and self.host + host > self.sessions.host_capacity)
 
     def fits(self, s: Session) -> bool:
         """Whether session `s`'s projection fits in each pool beside the admitted sessions'.
@@ -256,7 +311,7 @@ class Gate:
             return True  # alone, it runs however large: nothing else is reserved
         if s in self.refused:
             return False
-        want = self.sessions.projection(s)
+        want = self.sessions.reservation(s)
         if not self._over(want):
             return True
         now, takeable = self.sessions.clock(), []

@@ -55,6 +55,7 @@ class RequestHandle:
     session_id: str | None = None
     session_end: bool = False
     session_tokens: int | None = None
+    session_next_s: float | None = None
     cache_salt: str | None = None
     fanout_adapters: list[str] | None = None  # None: the engine's residual_fanout setting
     seq: Sequence | None = None
@@ -182,6 +183,7 @@ class EngineLoop:
                 h.seq = self.engine.add_request(h.prompt, h.adapter, h.params, session_id=h.session_id,
                                                 session_end=h.session_end,
                                                 session_tokens=h.session_tokens,
+                                                session_next_s=h.session_next_s,
                                                 fanout_adapters=h.fanout_adapters,
                                                 cache_salt=h.cache_salt)
                 done.append(h)

@@ -67,6 +67,9 @@ def render(s: dict, model_name: str) -> str:
     metric("host_bytes_used", "gauge", "Host tier bytes holding KV pages.", [("", s["host_bytes_used"])])
     metric("host_bytes_transferred_total", "counter", "KV bytes copied to and from the host tier.",
            [('direction="stored"', s["host_bytes_stored"]), ('direction="loaded"', s["host_bytes_loaded"])])
+    metric("host_load_stall_seconds_total", "counter",
+           "Host seconds steps waited while the host tier's loads were issued.",
+           [("", s["host_load_stall_s"])])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", s["generation_tokens"])])
     metric("decode_batch_size_mean", "gauge", "Mean number of requests per decode step.",
            [("", s["decode_batch_size_mean"])])

@@ -87,6 +87,11 @@ class _Sampling(OpenAIRequest):
         None, ge=1, le=2**31 - 1,
         description="forkjax: the tokens the workflow expects to hold at its end (its final length), "
                     "a hint for admitting whole workflows (needs session_id)")
+    session_next_s: float | None = Field(
+        None, ge=0, le=1e9,
+        description="forkjax: seconds from this request's end to the workflow's next request (a "
+                    "tool call's expected time): with a host KV tier, the workflow's pages that "
+                    "went to host memory are loaded back shortly before (needs session_id)")
     cache_salt: str | None = Field(
         None, min_length=1, max_length=MAX_ID_CHARS,
         description="requests share cached KV pages (base and residual) only with requests of the "

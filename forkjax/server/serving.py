@@ -123,7 +123,8 @@ class OpenAIServing:
         sink = lambda out: aio.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731
         handles = [RequestHandle(i * req.n + j, ids, adapter, self.sampling(req, budget, j), sink,
                                  session_id=req.session_id, session_end=req.session_end,
-                                 session_tokens=req.session_tokens, cache_salt=req.cache_salt,
+                                 session_tokens=req.session_tokens,
+                                 session_next_s=req.session_next_s, cache_salt=req.cache_salt,
                                  fanout_adapters=fanout)
                    for i, (ids, budget) in enumerate(zip(prompts, max_tokens)) for j in range(req.n)]
         gen = Generation(self.loop, handles, queue, self.tokenizer, req.stop_strings,

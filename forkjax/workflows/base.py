@@ -41,6 +41,7 @@ class Workflow(abc.ABC):
     agents: tuple[str, ...]  # adapter names of its agents
     num_turns: int           # LLM calls in all
     turns_done: int
+    tool_latency: float = 0.0  # seconds from a call's end to its next call (ReAct's tool calls)
 
     @property
     def done(self) -> bool:

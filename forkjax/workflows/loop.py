@@ -10,7 +10,8 @@ hands the workflows out, `ClosedLoop` does the rest of the bookkeeping, so the i
 Each call carries its workflow's session (engine: sessions.py): `session_id`, `session_end` on
 the workflow's last call (its holds drop when it finishes) and, with `session_hints`,
 `session_tokens`, the workflow's final length (`Workflow.final_tokens`), which lets the engine
-admit whole workflows against their peak.
+admit whole workflows against their peak, and `session_next_s`, the time to its next call (its
+tool latency), which lets a host tier load the workflow's pages back before that call comes.
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ class ClosedLoop:
     def fields(self, call: Call) -> dict:
         """The session keywords of `call`'s request (engine.add_request's names)."""
         req = call.request
+        hints = self.session_hints
         return {"session_id": req.session_id, "session_end": req.last,
-                "session_tokens": call.workflow.final_tokens if self.session_hints else None}
+                "session_tokens": call.workflow.final_tokens if hints else None,
+                "session_next_s": call.workflow.tool_latency if hints and not req.last else None}
 
     def complete(self, call: Call, output: list[int], now: float) -> Workflow | None:
         """`call` finished at `now` with `output`: its workflow takes it, the run records it.

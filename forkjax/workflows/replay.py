@@ -164,9 +164,10 @@ class ReplayEngine:
 
     def add_request(self, prompt, adapter: str, params: SamplingParams | None = None, *,
                     session_id: str | None = None, session_end: bool = False,
-                    session_tokens: int | None = None, fanout_adapters=None) -> Sequence:
+                    session_tokens: int | None = None, session_next_s: float | None = None,
+                    fanout_adapters=None) -> Sequence:
         """Queue a request (as `Engine.add_request`; KeyError for an unknown adapter)."""
-        check_session(session_id, session_end, session_tokens)
+        check_session(session_id, session_end, session_tokens, session_next_s)
         slot = self.slots[adapter]
         if fanout_adapters is None:
             fanout_adapters = self.agents if self.residual_fanout else ()
@@ -175,7 +176,8 @@ class ReplayEngine:
             raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {self.policy!r}")
         seq = Sequence(Request(tuple(prompt), adapter, slot, adapter, params or SamplingParams(),
                                session_id=session_id, session_end=session_end,
-                               session_tokens=session_tokens, fanout=tuple(fanout.items())))
+                               session_tokens=session_tokens, session_next_s=session_next_s,
+                               fanout=tuple(fanout.items())))
         self.scheduler.add(seq)
         self.clock.t += HOST_S_PER_REQUEST
         return seq
