@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 
 from forkjax.cache import DualRadixCache, PrefixHold
+from forkjax.engine.gate import Gate
 from forkjax.engine.inflight import InflightPages
 from forkjax.engine.sequence import Sequence
 from forkjax.engine.sessions import Session, Sessions
@@ -158,7 +159,7 @@ class Admission:
         list). When none fits, the oldest blocked one may take held pages."""
         if not waiting or len(running) >= max_batch_size:
             return
-        room, blocked, gate = None, [], self.sessions.gate()
+        room, blocked, gate = None, [], Gate(self.sessions)
         gate_closed = False  # an urgent workflow waits at the gate: no younger one overtakes it
         for seq in self.order(waiting):
             if len(running) >= max_batch_size:

@@ -246,10 +246,6 @@ class Sessions:
                 self.num_agents() if policy.residual == "per_adapter" else 1)
         return self.num_agents() if policy.base_per_adapter else 1
 
-    def gate(self) -> Gate:
-        """The reservations as one admission pass sees them."""
-        return Gate(self)
-
     def suspend(self, s: Session) -> None:
         """Take session `s`'s pages: its holds drop and its next request is admitted anew."""
         self.drop(s)
@@ -275,61 +271,3 @@ class Sessions:
         for hold in s.holds.values():
             hold.release()
         s.holds.clear()
-
-
-class Gate:
-    """One admission pass's view of the reservations: the admitted sessions' (Sessions.
-    reservation), summed once, grown as the pass admits more."""
-
-    def __init__(self, sessions: Sessions):
-        self.sessions = sessions
-        self.admitted = [x for x in sessions.by_id.values() if x.admitted]
-        self.total = [0.0] * len(POOLS)  # device pages per pool
-        self.host = 0.0  # host bytes
-        for x in self.admitted:
-            self._add(x, 1)
-        self.refused: set[Session] = set()  # sessions that did not fit in this pass
-
-    def _add(self, s: Session, sign: int) -> None:
-        device, host = self.sessions.reservation(s)
-        for i, pages in enumerate(device):
-            self.total[i] += sign * pages
-        self.host += sign * host
-
-    def _over(self, want) -> bool:
-        device, host = want
-        return (any(device[i] and self.total[i] + device[i] > cap
-                    for i, cap in enumerate(self.sessions.capacity))
-                or host and self.host + host > self.sessions.host_capacity)
-
-    def fits(self, s: Session) -> bool:
-        """Whether session `s`'s projection fits in each pool beside the admitted sessions'.
-        To fit, it may take the reservations of sessions idle for longer than the longest
-        recent wait between two requests of one session (longest idle first), which are then
-        suspended."""
-        if not self.admitted:
-            return True  # alone, it runs however large: nothing else is reserved
-        if s in self.refused:
-            return False
-        want = self.sessions.reservation(s)
-        if not self._over(want):
-            return True
-        now, takeable = self.sessions.clock(), []
-        for x in self.sessions.idle():
-            if x.admitted and now - x.idle_since > self.sessions.longest_gap:
-                takeable.append(x)
-                self._add(x, -1)
-                if not self._over(want) or len(takeable) == len(self.admitted):
-                    for taken in takeable:
-                        self.sessions.suspend(taken)
-                        self.admitted.remove(taken)
-                    return True
-        for taken in takeable:
-            self._add(taken, 1)
-        self.refused.add(s)
-        return False
-
-    def admit(self, s: Session) -> None:
-        s.admitted = True
-        self.admitted.append(s)
-        self._add(s, 1)
