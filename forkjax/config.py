@@ -142,8 +142,8 @@ class EngineConfig:
     # Logits bitwise independent of the batch, the chunking and prefix hits (buckets.py: fixed)
     deterministic: bool = False
     # Host memory for pages evicted from the device (cache/host_pool.py); 0: evicted pages are
-    # dropped and recomputed
-    host_kv_bytes: int = 0
+    # dropped and recomputed; None: the platform's default (engine/memory.py: off on a CPU)
+    host_kv_bytes: int | None = None
 
     def __post_init__(self):
         if self.cache_policy not in CACHE_POLICIES:
@@ -156,9 +156,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: expected a positive int or None")
-        if isinstance(self.host_kv_bytes, bool) or not isinstance(self.host_kv_bytes, int) \
-                or self.host_kv_bytes < 0:
-            raise ValueError(f"host_kv_bytes={self.host_kv_bytes!r}: expected an int >= 0")
+        if self.host_kv_bytes is not None and (isinstance(self.host_kv_bytes, bool) or not isinstance(
+                self.host_kv_bytes, int) or self.host_kv_bytes < 0):
+            raise ValueError(f"host_kv_bytes={self.host_kv_bytes!r}: expected an int >= 0 or None")
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
         if self.residual_fanout and self.cache_policy != "forkkv":

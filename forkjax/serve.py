@@ -120,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                    help="KV cache budget, e.g. 2G (default: 90%% of free device memory less the largest "
                         "step's workspace; 256M on CPU)")
-    p.add_argument("--host-kv-bytes", type=parse_bytes, default=0,
+    p.add_argument("--host-kv-bytes", type=parse_bytes, default=None,
                    help="host memory for KV pages evicted from the device, loaded back on a hit "
-                        "instead of recomputed, e.g. 64G (default 0: off)")
+                        "instead of recomputed, e.g. 64G; 0: off (default: off on a CPU, on a GPU "
+                        "half the available host memory, at most twice the KV budget)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="running requests at most (default: 256 on a GPU of 40 GiB or more, 128 from 16 "

@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens an extend step computes at most (the engine's default, 2048)")
     p.add_argument("--kv-cache-bytes", type=float, default=None,
                    help="KV pool bytes (the engine's default: engine/memory.py)")
+    p.add_argument("--host-kv-bytes", type=float, default=0,
+                   help="host tier bytes (default 0: none, as vLLM's and SGLang's defaults)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--no-warmup", action="store_true", help="compile lazily, inside the run")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tokens and arrivals")
@@ -152,6 +154,9 @@ def check_args(args):
         raise ValueError(f"--model {args.model!r}: not a built-in model nor a checkpoint directory")
     if args.kv_cache_bytes is not None:
         args.kv_cache_bytes = int(args.kv_cache_bytes)
+    if not args.host_kv_bytes >= 0:
+        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes}: expected bytes >= 0")
+    args.host_kv_bytes = int(args.host_kv_bytes)
 
 
 # ---- the drivers --------------------------------------------------------------------------------
@@ -232,6 +237,7 @@ def build_engine(args, cfg: ModelConfig, max_model_len: int):
     engine = forkjax.Engine.from_pretrained(
         args.model, adapters=agent_adapters(cfg, names, LORA_RANK, shared_a=False),
         cache_policy=args.policy, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
+        host_kv_bytes=args.host_kv_bytes,
         max_batch_size=args.max_batch_size, max_loras=len(names) + 1, lora_target_modules=ATTENTION,
         max_model_len=max_model_len, warmup=not args.no_warmup, progress=False, **extra)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s)
@@ -251,6 +257,7 @@ def engine_config(engine, args) -> dict:
     return dict(max_batch_size=sched.max_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
                 max_model_len=engine.max_model_len, kv_pool_bytes=engine.runner.layout.nbytes,
                 max_loras=engine.config.max_loras, overlap=engine.overlap,
+                host_kv_bytes=args.host_kv_bytes,
                 lora_rank=LORA_RANK if args.adapters else None, lora_targets=list(ATTENTION))
 
 

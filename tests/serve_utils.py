@@ -32,6 +32,7 @@ DEMO = ("planner", "coder", "critic")
 CONTEXT = 1024
 SERVER_ARGS = ["--dtype", "float32", "--cache-policy", "prefix", "--max-batch-size", "8",
                "--max-prefill-tokens", "128", "--max-model-len", str(CONTEXT), "--kv-cache-bytes", "2M",
+               "--host-kv-bytes", "8M",
                "--api-key", KEY, "--max-request-bytes", "1M", "--body-timeout", "5", "--host", "127.0.0.1",
                "--port", "0"]
 STARTUP_S = 420  # a cold compile cache on 2 busy cores

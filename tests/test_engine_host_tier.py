@@ -61,3 +61,48 @@ def test_flush_empties_both_tiers():
         # A prompt seen before is computed again, not loaded.
         engine.generate([_prompt(80, 100)], adapters=["a0"], max_new_tokens=2)
         assert engine.stats()["host_hit_tokens"] == 0
+
+
+@pytest.mark.parametrize("pool", ["base", "residual"])
+def test_a_hit_split_across_the_tiers_is_exact(pool):
+    """`forkkv`: one pool's pages of an agent's history on the host, the other pool's on the
+    device. The next turn loads the first back and matches the second where they are: its
+    output and the positions it computes are those of a pool that never evicts."""
+    kw = dict(SMALL, adapters=_mild_adapters(2), dtype="float32", cache_policy="forkkv")
+    hist, suffix = _prompt(70, 100), _prompt(71, 12)
+    with forkjax.Engine.from_pretrained("tiny-llama", **kw) as engine:
+        answer = engine.generate([hist], adapters=["a0"], max_new_tokens=4)[0]
+        want = engine.generate([hist + answer + suffix], adapters=["a0"], max_new_tokens=4)[0]
+        computed = engine.stats()["prefill_tokens_computed"]
+    with forkjax.Engine.from_pretrained("tiny-llama", host_kv_bytes=16 << 20, **kw) as engine:
+        assert engine.generate([hist], adapters=["a0"], max_new_tokens=4)[0] == answer
+        assert engine.cache.evict(1 << 20, pool) > 0  # every unlocked page of one pool
+        assert engine.generate([hist + answer + suffix], adapters=["a0"], max_new_tokens=4)[0] == want
+        s = engine.stats()
+        engine.cache.check()
+    assert s["host_bytes_loaded"] > 0 and s["prefill_tokens_computed"] == computed
+
+
+def test_host_pages_keep_their_salt_and_their_adapters_weights():
+    """A request of another `cache_salt`, or of an adapter reloaded under the same name, never
+    hits host pages it could not hit on the device: it computes its prompt, and its output is
+    that of an engine that never saw the first request."""
+    adapters, new = _mild_adapters(2), _mild_adapters(3)["a2"]
+    kw = dict(SMALL, dtype="float32", cache_policy="prefix")
+    hist = _prompt(72, 100)
+    with forkjax.Engine.from_pretrained("tiny-llama", adapters={"a0": new}, **kw) as engine:
+        reloaded = engine.generate([hist], adapters=["a0"], max_new_tokens=4)[0]
+    with forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, host_kv_bytes=16 << 20,
+                                        **kw) as engine:
+        first = engine.generate([hist], adapters=["a0"], max_new_tokens=4, cache_salt="team-a")[0]
+        engine.cache.evict(1 << 20)
+        engine.generate([hist], adapters=["a0"], max_new_tokens=4, cache_salt="team-b")
+        assert engine.stats()["host_hit_tokens"] == 0
+        assert engine.generate([hist], adapters=["a0"], max_new_tokens=4, cache_salt="team-a")[0] == first
+        hits = engine.stats()["host_hit_tokens"]
+        assert hits > 0
+        engine.generate([hist], adapters=["a0"], max_new_tokens=4)  # unsalted, the old weights
+        engine.cache.evict(1 << 20)
+        engine.load_adapter("a0", new)
+        assert engine.generate([hist], adapters=["a0"], max_new_tokens=4)[0] == reloaded
+        assert engine.stats()["host_hit_tokens"] == hits

@@ -33,6 +33,17 @@ def test_engine_defaults_follow_the_platform():
             assert engine.runner.layout.nbytes <= memory.DEFAULT_CPU_KV_BYTES
 
 
+def test_host_tier_default_by_platform():
+    """Off on a CPU; on a GPU half the available host memory, at most twice the KV budget."""
+    assert memory.default_host_kv_bytes(False, 60 * GIB, 128 * GIB) == 0
+    assert memory.default_host_kv_bytes(True, 60 * GIB, 100 * GIB) == 50 * GIB
+    assert memory.default_host_kv_bytes(True, 10 * GIB, 100 * GIB) == 20 * GIB
+    assert memory.host_memory_available() > 0  # Linux, here and on the GPU machines
+    on_gpu = jax.default_backend() == "gpu"
+    with forkjax.Engine.from_pretrained("tiny-llama", warmup=False, progress=False) as engine:
+        assert (engine.stats()["host_bytes_total"] > 0) == on_gpu
+
+
 def test_kv_budget_sets_the_workspace_aside():
     llama = ModelConfig.from_hf(BUILTIN_CONFIGS["llama3.1-8b-random"])
     ws = memory.step_workspace_bytes(llama, 256, 2048)

@@ -126,5 +126,6 @@ def test_flush_cache_frees_every_idle_page(server):
     assert r.status_code == 200 and (m := re.fullmatch(r"Cache flushed\. (\d+) KV pages freed\.", r.text))
     after = server.metrics()
     assert after['forkjax:kv_pages_used{pool="base"}'] == after['forkjax:kv_pages_used{pool="residual"}'] == 0
+    assert after["forkjax:host_bytes_used"] == 0  # both tiers
     freed = sum(after[evicted % p] - before[evicted % p] for p in ("base", "residual"))
     assert freed == int(m[1]) == before['forkjax:kv_pages_used{pool="base"}']

@@ -93,7 +93,9 @@ def test_metrics_prometheus_format(server):
     for key in ("forkjax:num_requests_running", "forkjax:num_requests_waiting",
                 'forkjax:kv_pages_used{pool="base"}', 'forkjax:kv_pages_used{pool="residual"}',
                 'forkjax:prefix_cache_hit_rate{pool="base"}', 'forkjax:prefix_cache_hit_rate{pool="residual"}',
-                "forkjax:decode_batch_size_mean", 'forkjax:kv_pages_total{pool="base"}'):
+                "forkjax:decode_batch_size_mean", 'forkjax:kv_pages_total{pool="base"}',
+                "forkjax:host_bytes_used", 'forkjax:host_bytes_transferred_total{direction="stored"}',
+                "forkjax:host_load_stall_seconds_total"):  # the test server has a host tier
         assert key in after, key
     assert 0 < after['forkjax:prefix_cache_hit_rate{pool="base"}'] <= 1
     assert after['forkjax:kv_pages_used{pool="base"}'] > 0

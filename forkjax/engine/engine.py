@@ -33,7 +33,8 @@ class Engine(EngineCore):
                         max_lora_rank=None, *, max_loras: int = 8, seed: int = 0,
                         lora_target_modules=None, residual_fanout: bool = False,
                         residual_fraction: float | None = None, schedule_policy: str = "lpm",
-                        deterministic: bool = False, host_kv_bytes: int = 0, **engine_kwargs):
+                        deterministic: bool = False, host_kv_bytes: int | None = None,
+                        **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
         `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
@@ -47,7 +48,8 @@ class Engine(EngineCore):
         chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
         is preempted (its generated tokens' K/V are then recomputed by an extend step).
         `host_kv_bytes`: host memory for KV pages evicted from the device, loaded back on a hit
-        instead of recomputed (cache/host_pool.py; 0: off).
+        instead of recomputed (cache/host_pool.py; 0: off; None: off on a CPU, on a GPU half
+        the available host memory, at most twice the device KV budget, engine/memory.py).
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, progress, overlap,
         max_wait_s, `session_ttl_s`: seconds an idle session keeps its pages, about your longest
         tool call (sessions.py), `warmup`: True compiles every shape before returning, "background" on other

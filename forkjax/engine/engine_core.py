@@ -58,7 +58,10 @@ class EngineCore:
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
             kv_cache_bytes=kv_bytes, policy=cfg.cache_policy, dtype=cfg.dtype,
             residual_fraction=cfg.residual_fraction, residual_copies=residual_copies)
-        self.cache = DualRadixCache.from_layout(layout, cfg.host_kv_bytes)
+        host_bytes = cfg.host_kv_bytes
+        if host_bytes is None:
+            host_bytes = memory.default_host_kv_bytes(on_gpu, kv_bytes, memory.host_memory_available())
+        self.cache = DualRadixCache.from_layout(layout, host_bytes)
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
                           fixed=cfg.deterministic)
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,

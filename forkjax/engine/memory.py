@@ -1,5 +1,6 @@
 """What the device's memory allows by default: how many sequences run at once (vLLM's
-`max_num_seqs`) and the KV budget, which is the free memory less the largest step's workspace.
+`max_num_seqs`), the KV budget, which is the free memory less the largest step's workspace, and
+the host tier's budget.
 
 The workspace is set aside before the pools are sized, because a step's temporaries (the
 logits of its sampled rows, a scoring request's logits of every token, the activations of a
@@ -26,6 +27,13 @@ MEMORY_UTILIZATION = 0.9
 # The extend kernels rebuild merged K/V in HBM for chunks whose page tables span at most this
 # many slots (kernels' materialising path); a larger span streams and needs no workspace.
 MATERIALISED_SLOTS = 64 << 10
+
+
+# The host tier by default (cache/host_pool.py): off on a CPU, where the host is the device; on a
+# GPU this share of the host memory available at start, at most HOST_KV_RATIO times the device's
+# KV budget (SGLang's HiCache default ratio, 2), so that the rest of the machine keeps its memory.
+HOST_KV_SHARE = 0.5
+HOST_KV_RATIO = 2
 
 
 def device_memory() -> tuple[int, int]:
@@ -55,6 +63,21 @@ def step_workspace_bytes(cfg: ModelConfig, max_batch_size: int, max_prefill_toke
     layer = t * (qkv + 3 * cfg.intermediate_size + 3 * d) * f32
     merged_kv = 2 * MATERIALISED_SLOTS * cfg.num_kv_heads * cfg.head_dim * f32
     return logits + hidden + layer + merged_kv
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable); 0 where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
+def default_host_kv_bytes(on_gpu: bool, kv_bytes: int, available: int) -> int:
+    """The host tier's budget: 0 (off) on a CPU, else HOST_KV_SHARE of the `available` host
+    bytes, at most HOST_KV_RATIO times the device KV budget `kv_bytes`."""
+    return min(int(available * HOST_KV_SHARE), HOST_KV_RATIO * kv_bytes) if on_gpu else 0
 
 
 def default_kv_cache_bytes(on_gpu: bool, free_bytes: int, workspace_bytes: int) -> int:

@@ -22,8 +22,9 @@ drop, its reservation is given back, and its next request is admitted like a fir
 
 With a host tier, idle paths cost a copy, not a recompute: a session reserves on the device only
 the paths its live requests use (at least one a pool it keeps paths in), and the rest of its
-projection in host bytes, against the host budget. Its held pages are evicted like unheld ones
-(last), written back to the host, and loaded again when its next request is admitted.
+projection in host bytes, against the host budget. Its held pages still go after unheld ones,
+but count as room (evicting them writes them back to the host), and come back when its next
+request is admitted, or shortly before it is due (`session_next_s`, `prefetch`).
 """
 
 from __future__ import annotations
