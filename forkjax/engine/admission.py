@@ -18,8 +18,8 @@
   not fit blocks the ones behind it. Nothing else differs.
 * A request needs the pages it will allocate itself: its prompt and `min(max_new_tokens,
   DECODE_CLIP)` generated tokens, less its hits and less the pages in flight for it. It is
-  admitted when that fits in the room (free pages and unheld evictable ones) less what the
-  running requests still need by the same count.
+  admitted when that fits in the room (free pages and unheld evictable ones, held ones too with
+  a host tier: dual_cache.py) less what the running requests still need by the same count.
 * When none fits (a projection proved wrong, or a request without a session), the oldest
   blocked one (a request's age is its session's, else its own) may take held pages: first those
   of idle sessions (no request live), longest idle first, then those of younger workflows and

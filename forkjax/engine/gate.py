@@ -8,8 +8,8 @@ from forkjax.engine.sessions import POOLS, Session, Sessions
 
 
 class Gate:
-    """One admission pass's view of the reservations: the admitted sessions' (Sessions.
-    reservation), summed once, grown as the pass admits more."""
+    """One admission pass's view of the reservations: the admitted sessions'
+    (`Sessions.reservation`), summed once, grown as the pass admits more."""
 
     def __init__(self, sessions: Sessions):
         self.sessions = sessions
