@@ -46,6 +46,7 @@ import jax
 import uvicorn
 
 import forkjax
+from forkjax.engine import memory
 from forkjax.engine.engine import WARMUP_MODES
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.server.app import create_app
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-kv-bytes", type=parse_bytes, default=None,
                    help="host memory for KV pages evicted from the device, loaded back on a hit "
                         "instead of recomputed, e.g. 64G; 0: off (default: off on a CPU, on a GPU "
-                        "half the available host memory, at most twice the KV budget)")
+                        "half the available host memory, at most twice the KV budget; raises XLA's "
+                        "pinned host limit to fit)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="(%(default)s)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="running requests at most (default: 256 on a GPU of 40 GiB or more, 128 from 16 "
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None):
     if args.residual_fanout and args.cache_policy != "forkkv":
         parser.error(f"--residual-fanout needs --cache-policy forkkv, not {args.cache_policy}")
     check_numbers(parser, args)
+    memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("forkjax").setLevel(args.log_level.upper())
     if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):

@@ -79,6 +79,7 @@ import jax
 
 import forkjax
 from forkjax.config import CACHE_POLICIES, ModelConfig
+from forkjax.engine import memory
 from forkjax.engine.sequence import SamplingParams, Status
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows.agents import ATTENTION, agent_adapters
@@ -149,14 +150,15 @@ def check_args(args):
     for flag in ("range_ratio", "output_range_ratio"):
         if (r := getattr(args, flag)) is not None and not 0 <= r < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={r}: expected a ratio in [0, 1)")
+    if not args.host_kv_bytes >= 0:
+        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes}: expected bytes >= 0")
+    args.host_kv_bytes = int(args.host_kv_bytes)
+    memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
     args.model = args.model or ("llama3-8b-random" if jax.default_backend() == "gpu" else "tiny-llama")
     if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r}: not a built-in model nor a checkpoint directory")
     if args.kv_cache_bytes is not None:
         args.kv_cache_bytes = int(args.kv_cache_bytes)
-    if not args.host_kv_bytes >= 0:
-        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes}: expected bytes >= 0")
-    args.host_kv_bytes = int(args.host_kv_bytes)
 
 
 # ---- the drivers --------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ import jax
 
 import forkjax
 from forkjax.config import ModelConfig
+from forkjax.engine import memory
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows, workflow_source)
@@ -195,6 +196,7 @@ def check_args(args) -> tuple[list[str], list[int]]:
         raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: bytes >= 0, not with --replay "
                          "(the replay has no step cost for host copies)")
     args.host_kv_bytes = int(args.host_kv_bytes)
+    memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
         raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
     if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):

@@ -35,10 +35,11 @@ def test_round_trip_is_exact_across_blocks(kind):
     want_k, want_v = np.asarray(k, np.float32), np.asarray(v, np.float32)
     page_bytes = 2 * k.nbytes // 32
     pool = HostPagePool(axis, page_bytes, HostBudget(1 << 20))
-    first = np.array([5, 17, 3], np.int32)  # a block of 3 (padded to 4)
-    second = np.array([30, 1, 12, 9, 22], np.int32)  # and one of 5 (padded to 8)
+    first = np.array([5, 17, 3], np.int32)  # blocks of 2 and 1
+    second = np.array([30, 1, 12, 9, 22], np.int32)  # and of 4 and 1
     ids = np.concatenate([pool.store(first), pool.store(second)])
-    assert pool.budget.used == (4 + 8) * page_bytes and pool.num_pages == 8 and pool.pending
+    assert pool.budget.used == 8 * page_bytes and pool.num_pages == 8 and pool.pending
+    assert sorted(b.nbytes // page_bytes for b in pool._blocks.values()) == [1, 1, 2, 4]
     k, v = pool.execute(k, v)  # the stores: the pool itself is left as it was
     assert np.array_equal(np.asarray(k, np.float32), want_k) and not pool.pending
     assert all(b.k.sharding.memory_kind == "pinned_host" for b in pool._blocks.values())
@@ -71,7 +72,7 @@ def test_blocks_return_their_bytes_with_their_last_page():
     k, v = pool.execute(k, v)
     assert budget.free == 2 * page_bytes
     with pytest.raises(MemoryError, match="host bytes"):
-        pool.store(np.array([7, 8, 9], np.int32))  # 4 pages padded: no room
+        pool.store(np.array([7, 8, 9], np.int32))  # 3 pages: no room
     pool.free(a[:3])
     assert budget.free == 2 * page_bytes  # a block is freed whole, with its last page
     pool.free(a[3:])

@@ -4,6 +4,8 @@ allocates for the largest programs of a real engine."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
 
@@ -33,11 +35,23 @@ def test_engine_defaults_follow_the_platform():
             assert engine.runner.layout.nbytes <= memory.DEFAULT_CPU_KV_BYTES
 
 
-def test_host_tier_default_by_platform():
-    """Off on a CPU; on a GPU half the available host memory, at most twice the KV budget."""
-    assert memory.default_host_kv_bytes(False, 60 * GIB, 128 * GIB) == 0
-    assert memory.default_host_kv_bytes(True, 60 * GIB, 100 * GIB) == 50 * GIB
-    assert memory.default_host_kv_bytes(True, 10 * GIB, 100 * GIB) == 20 * GIB
+def test_host_tier_default_by_platform(monkeypatch):
+    """Off on a CPU; on a GPU half the available host memory, at most twice the KV budget and
+    0.8 of XLA's pinned host limit, which the command lines raise to fit a larger request."""
+    pinned = 64 * GIB
+    assert memory.default_host_kv_bytes(False, 60 * GIB, 128 * GIB, pinned) == 0
+    assert memory.default_host_kv_bytes(True, 60 * GIB, 100 * GIB, pinned) == 50 * GIB
+    assert memory.default_host_kv_bytes(True, 10 * GIB, 100 * GIB, pinned) == 20 * GIB
+    assert memory.default_host_kv_bytes(True, 60 * GIB, 200 * GIB, pinned) == int(0.8 * 64 * GIB)
+    monkeypatch.setenv(memory.PINNED_HOST_ENV, "64")  # so that the test's own setting is undone
+    monkeypatch.delenv(memory.PINNED_HOST_ENV)
+    assert memory.host_kv_bytes(70 * GIB, False, GIB) == 70 * GIB  # no pinned allocator on a CPU
+    with pytest.raises(ValueError, match=f"{memory.PINNED_HOST_ENV}=88 "):
+        memory.host_kv_bytes(70 * GIB, True, GIB)
+    memory.reserve_pinned_host(70 * GIB)
+    assert os.environ[memory.PINNED_HOST_ENV] == "88" and memory.host_kv_bytes(70 * GIB, True, GIB) == 70 * GIB
+    memory.reserve_pinned_host(GIB)  # a smaller request leaves the limit as it is
+    assert memory.pinned_host_limit() == 88 * GIB
     assert memory.host_memory_available() > 0  # Linux, here and on the GPU machines
     on_gpu = jax.default_backend() == "gpu"
     with forkjax.Engine.from_pretrained("tiny-llama", warmup=False, progress=False) as engine:

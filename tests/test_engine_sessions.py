@@ -28,17 +28,18 @@ def _engine(policy="prefix", adapters=ADAPTERS, **kw):
                                           cache_policy=policy, **dict(SMALL, max_model_len=1024, **kw))
 
 
-def _workflows(engine, names, turns=3, n=4, ctx=160, gen=8, obs=8, hint=None, sessions=True):
+def _workflows(engine, names, turns=3, n=4, ctx=160, gen=8, obs=8, hint=None, sessions=True, pause=None):
     """Closed-loop multi-turn workflows, all started at once: turn t of workflow w appends its
     output and an observation to the workflow's history and goes to agent names[t % len];
-    the last turn says session_end. -> (histories, distinct tokens)."""
+    the last turn says session_end; `pause`: each request's session_next_s (the next one is
+    sent at once all the same). -> (histories, distinct tokens)."""
     hist = [_prompt(100 + w, ctx) for w in range(n)]
     params = SamplingParams(max_new_tokens=gen, ignore_eos=True)
     done = [0] * n
 
     def submit(w):
         kw = dict(session_id=f"w{w}", session_end=done[w] == turns - 1,
-                  session_tokens=hint) if sessions else {}
+                  session_tokens=hint, session_next_s=pause) if sessions else {}
         return engine.add_request(hist[w], names[done[w] % len(names)], params, **kw)
 
     live = {w: submit(w) for w in range(n)}
@@ -186,19 +187,23 @@ def test_a_sessions_paths_count_each_branch_once():
     assert s.pages(16) == (19 + 3 * 5, 11)
 
 
-def test_with_a_host_tier_a_workflow_reserves_only_its_live_path_on_the_device():
+def test_with_a_host_tier_a_pausing_workflow_reserves_only_its_live_path_on_the_device():
     """Under `prefix` each of three agents keeps its own copy of a workflow's history (16 pages
     each at the end of five turns). A 50-page pool admits one workflow's three copies at a time;
-    with a host tier a workflow reserves on the device only the path its live request uses, the
-    idle agents' copies wait on the host: three run at once, an agent's second turn finds its
-    path by copy, nothing is computed twice and the outputs (float32, greedy) are the same."""
+    with a host tier a workflow whose requests pause (a 1 s tool call) reserves on the device
+    only the path its live request uses, the idle agents' copies wait on the host: three run at
+    once, an agent's second turn finds its path by copy, nothing is computed twice and the
+    outputs (float32, greedy) are the same. Without the pause the tier changes nothing."""
     names, kw = ["a0", "a1", "a2"], dict(kv_cache_bytes=50 * PAGE_BYTES, max_wait_s=1e9)
     plain = _engine(**kw)
-    want, _ = _workflows(plain, names, turns=5, hint=250)
+    want, _ = _workflows(plain, names, turns=5, hint=250, pause=1.0)
     hosted = _engine(host_kv_bytes=64 << 20, **kw)
-    assert _workflows(hosted, names, turns=5, hint=250)[0] == want
+    assert _workflows(hosted, names, turns=5, hint=250, pause=1.0)[0] == want
     s0, s1 = plain.stats(), hosted.stats()
     assert s0["workflows_running_peak"] == 1 and s1["workflows_running_peak"] == 3
+    busy = _engine(host_kv_bytes=64 << 20, **kw)
+    assert _workflows(busy, names, turns=5, hint=250)[0] == want
+    assert busy.stats()["workflows_running_peak"] == 1 and busy.stats()["host_hit_tokens"] == 0
     assert s1["host_bytes_stored"] > 0 and s1["host_bytes_loaded"] > 0
     assert s1["host_hit_tokens"] > 0  # and no more is computed than with one workflow at a time
     assert s1["prefill_tokens_computed"] == s0["prefill_tokens_computed"]

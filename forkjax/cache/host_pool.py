@@ -4,9 +4,10 @@ pinned host memory (jax memory kind `pinned_host`), and copied into device pages
     base pool      K, V [L, Hkv, P, S, D]   page axis 2
     residual pool  K, V [L, P, S, R]        page axis 1
 
-Pages move in blocks: a store gathers the pages it is given into one contiguous device buffer
-(a jitted gather) and copies it to the host in one transfer; the block stays as it is until
-every page of it is freed. A load copies each block it needs back whole, then scatters the pages
+Pages move in blocks: a store of n pages cuts them into blocks of n's binary digits (13 pages:
+8, 4 and 1), gathers each into one contiguous device buffer (a jitted gather) and copies it to
+the host in one transfer; a block stays as it is until every page of it is freed. Block sizes
+are powers of two, so the programs are few and no host byte is padding. A load copies each block it needs back whole, then scatters the pages
 it wants into their device pages (a jitted scatter that donates the pool). One large copy each
 way is what runs near the link's rate: on the H200 a 1 GB `pinned_host` array moves at ~49 GB/s
 each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
@@ -14,8 +15,8 @@ each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
 Every copy is dispatched, not waited for (`execute`, before a step): the gather reads the pool as
 the steps dispatched before it left it, and the scatter's pool is the one the next step reads,
 so a page is never read before its copy lands nor overwritten before its store has read it (JAX
-orders work on a buffer by dispatch), and the copies overlap the steps in flight. Block sizes and page counts are padded to powers of two (padding gathers and
-scatters the sink page 0), so the programs are few.
+orders work on a buffer by dispatch), and the copies overlap the steps in flight. A load's page
+count is padded to a power of two (padding scatters into the sink page 0).
 
 Host page ids are this pool's own (1, 2, ...; 0 is never one). The bytes of live blocks count
 against a `HostBudget` that the pools of one cache share.
@@ -32,6 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def grow_pinned_host(nbytes: int, device=None) -> None:
+    """Have XLA's pinned host allocator take `nbytes` now, in one region, which it keeps when
+    the array is freed. It grows on demand otherwise, and each growth (cudaHostAlloc) waits for
+    the device's work in flight: on the H200 a store that grew it held the host ~0.1-0.2 s,
+    one that fit the allocator's region 0.3 ms. Pinning takes ~0.5 s a GiB there, so the
+    engine runs this in a thread of its own at start."""
+    host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+    jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=host)().block_until_ready()
+
+
 class HostBudget:
     """Host bytes that the host pools of one cache may hold together."""
 
@@ -46,14 +57,18 @@ class HostBudget:
 
 
 def bucket(n: int) -> int:
-    """The power of two >= n that a block of n pages (or a load of n pages) is padded to."""
+    """The power of two >= n that a load of n pages is padded to."""
     return 1 << max(0, n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _gather(k, v, pages, axis):
-    """k, v: a pool's K and V; pages [n] int32 -> their pages, [.., n, ..] on `axis`."""
-    return jnp.take(k, pages, axis=axis), jnp.take(v, pages, axis=axis)
+@functools.cache
+def _gather_to(host: jax.sharding.Sharding):
+    """The store program for one host memory: k, v (a pool's K and V), pages [n] int32 -> their
+    pages, [.., n, ..] on `axis`, written to `host`. The copy to the host is part of the program,
+    so it is dispatched like a step; `jax.device_put` to a host memory kind waits on the host
+    until its source is computed, which would stall the engine for the step in flight."""
+    return jax.jit(lambda k, v, pages, axis: (jnp.take(k, pages, axis=axis), jnp.take(v, pages, axis=axis)),
+                   static_argnums=3, out_shardings=host)
 
 
 @functools.partial(jax.jit, static_argnums=6, donate_argnums=(0, 1))
@@ -68,7 +83,7 @@ def _scatter(k, v, block_k, block_v, src, dst, axis):
 class _Block:
     nbytes: int
     live: int  # its pages not freed yet
-    k: jax.Array | None = None  # [.., bucket(n), ..] on the host, once its store has run
+    k: jax.Array | None = None  # [.., n, ..] (n a power of two) on the host, once its store has run
     v: jax.Array | None = None
 
 
@@ -102,28 +117,32 @@ class HostPagePool:
         return bool(self._queue)
 
     def store_bytes(self, n: int) -> int:
-        """Host bytes a store of n pages takes (its block is padded)."""
-        return bucket(n) * self.page_bytes
+        """Host bytes a store of n pages takes."""
+        return n * self.page_bytes
 
     def store(self, pages: np.ndarray) -> np.ndarray:
-        """Give device pages [n] host page ids [n] in one new block, and queue their copy. The
-        caller makes room first: a store past the budget raises."""
+        """Give device pages [n] host page ids [n] in new blocks (one per binary digit of n),
+        and queue their copies. The caller makes room first: a store past the budget raises."""
         pages = np.asarray(pages, np.int32)
         n = len(pages)
         nbytes = self.store_bytes(n)
         if nbytes > self.budget.free:
             raise MemoryError(f"a store of {n} pages needs {nbytes} host bytes, {self.budget.free} free")
-        idx = np.zeros(bucket(n), np.int32)
-        idx[:n] = pages
-        block = _Block(nbytes, n)
-        self._blocks[self._next_block] = block
-        self._queue.append(("store", block, idx))
-        self.budget.used += nbytes
-        self.bytes_stored += n * self.page_bytes
         ids = np.arange(self._next_page, self._next_page + n, dtype=np.int64)
-        self._where.update((int(i), (self._next_block, j)) for j, i in enumerate(ids))
+        start = 0
+        for bit in reversed(range(n.bit_length())):
+            size = 1 << bit
+            if not n & size:
+                continue
+            block = _Block(size * self.page_bytes, size)
+            self._blocks[self._next_block] = block
+            self._queue.append(("store", block, pages[start:start + size]))
+            self._where.update((int(i), (self._next_block, j)) for j, i in enumerate(ids[start:start + size]))
+            self._next_block += 1
+            start += size
+        self.budget.used += nbytes
+        self.bytes_stored += nbytes
         self._next_page += n
-        self._next_block += 1
         return ids
 
     def load(self, ids: np.ndarray, dst: np.ndarray) -> None:
@@ -143,7 +162,7 @@ class HostPagePool:
         """Run the queued copies on the pool (k, v), which is donated; returns the new (k, v)."""
         for op, block, idx in self._queue:
             if op == "store":
-                block.k, block.v = jax.device_put(_gather(k, v, jnp.asarray(idx), self.axis), self._host)
+                block.k, block.v = _gather_to(self._host)(k, v, jnp.asarray(idx), self.axis)
             else:
                 t = time.perf_counter()
                 block_k, block_v = jax.device_put((block.k, block.v), self._device)

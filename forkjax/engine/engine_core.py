@@ -16,11 +16,13 @@ loading, adapters, `generate` and `score` on top.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import jax
 
 from forkjax.cache import DualRadixCache, PoolLayout
+from forkjax.cache.host_pool import grow_pinned_host
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
@@ -58,10 +60,15 @@ class EngineCore:
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
             kv_cache_bytes=kv_bytes, policy=cfg.cache_policy, dtype=cfg.dtype,
             residual_fraction=cfg.residual_fraction, residual_copies=residual_copies)
-        host_bytes = cfg.host_kv_bytes
-        if host_bytes is None:
-            host_bytes = memory.default_host_kv_bytes(on_gpu, kv_bytes, memory.host_memory_available())
+        host_bytes = memory.host_kv_bytes(cfg.host_kv_bytes, on_gpu, kv_bytes)
         self.cache = DualRadixCache.from_layout(layout, host_bytes)
+        # The host tier's pinned memory is taken while the warm-up compiles, with an eighth more
+        # for the allocator's fragmentation (host_pool.grow_pinned_host).
+        self._pinning = None
+        if on_gpu and host_bytes:
+            self._pinning = threading.Thread(target=grow_pinned_host, name="forkjax-pin-host", daemon=True,
+                                             args=(min(host_bytes + host_bytes // 8, memory.pinned_host_limit()),))
+            self._pinning.start()
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
                           fixed=cfg.deterministic)
         self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
@@ -88,12 +95,14 @@ class EngineCore:
 
     def close(self):
         """Stop this engine's background warm-up (once the compiles it started finish: they
-        stay shared with other engines of the model); the engine then refuses work. A second
-        close does nothing."""
+        stay shared with other engines of the model) and wait for the host tier's pinning; the
+        engine then refuses work. A second close does nothing."""
         if self.closed:
             return
         self.closed = True
         self.runner.stop_warmup()
+        if self._pinning:
+            self._pinning.join()
 
     def __enter__(self):
         return self

@@ -11,6 +11,9 @@ long after start-up.
 
 from __future__ import annotations
 
+import math
+import os
+
 import jax
 
 from forkjax.config import ModelConfig
@@ -34,6 +37,11 @@ MATERIALISED_SLOTS = 64 << 10
 # KV budget (SGLang's HiCache default ratio, 2), so that the rest of the machine keeps its memory.
 HOST_KV_SHARE = 0.5
 HOST_KV_RATIO = 2
+# Pinned host memory comes from XLA's host allocator, whose limit is PINNED_HOST_ENV GiB (64
+# unless set; read when the GPU client starts). The host tier takes at most PINNED_HOST_SHARE of
+# it: the rest is for the allocator's fragmentation (blocks of many power-of-two sizes) and for
+# blocks freed while a copy still reads them.
+PINNED_HOST_ENV, PINNED_HOST_DEFAULT_GIB, PINNED_HOST_SHARE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64, 0.8
 
 
 def device_memory() -> tuple[int, int]:
@@ -74,10 +82,42 @@ def host_memory_available() -> int:
         return 0
 
 
-def default_host_kv_bytes(on_gpu: bool, kv_bytes: int, available: int) -> int:
+def pinned_host_limit() -> int:
+    """Bytes XLA's pinned host allocator may hand out (on a GPU)."""
+    return int(float(os.environ.get(PINNED_HOST_ENV, PINNED_HOST_DEFAULT_GIB)) * (1 << 30))
+
+
+def reserve_pinned_host(host_kv_bytes: int | None) -> None:
+    """Raise XLA's pinned host limit so that a host tier of `host_kv_bytes` fits it. Call before
+    jax starts its GPU client (the command-line entry points do, as they parse); a limit set in
+    the environment stays as it is."""
+    if host_kv_bytes and PINNED_HOST_ENV not in os.environ:
+        gib = math.ceil(host_kv_bytes / PINNED_HOST_SHARE / (1 << 30))
+        if gib > PINNED_HOST_DEFAULT_GIB:
+            os.environ[PINNED_HOST_ENV] = str(gib)
+
+
+def default_host_kv_bytes(on_gpu: bool, kv_bytes: int, available: int, pinned_limit: int) -> int:
     """The host tier's budget: 0 (off) on a CPU, else HOST_KV_SHARE of the `available` host
-    bytes, at most HOST_KV_RATIO times the device KV budget `kv_bytes`."""
-    return min(int(available * HOST_KV_SHARE), HOST_KV_RATIO * kv_bytes) if on_gpu else 0
+    bytes, at most HOST_KV_RATIO times the device KV budget `kv_bytes` and PINNED_HOST_SHARE of
+    the pinned allocator's limit."""
+    if not on_gpu:
+        return 0
+    return min(int(available * HOST_KV_SHARE), HOST_KV_RATIO * kv_bytes, int(PINNED_HOST_SHARE * pinned_limit))
+
+
+def host_kv_bytes(requested: int | None, on_gpu: bool, kv_bytes: int) -> int:
+    """`requested` host tier bytes, or the default where None. On a GPU a request past
+    PINNED_HOST_SHARE of the pinned allocator's limit is an error: a copy would fail mid-run."""
+    if requested is None:
+        return default_host_kv_bytes(on_gpu, kv_bytes, host_memory_available(), pinned_host_limit())
+    pinned = int(PINNED_HOST_SHARE * pinned_host_limit())
+    if on_gpu and requested > pinned:
+        need = math.ceil(requested / PINNED_HOST_SHARE / (1 << 30))
+        raise ValueError(f"host_kv_bytes={requested}: past {PINNED_HOST_SHARE:g} of XLA's pinned host memory "
+                         f"limit ({pinned_host_limit() >> 30} GiB); set {PINNED_HOST_ENV}={need} before "
+                         "jax starts, or ask for less")
+    return requested
 
 
 def default_kv_cache_bytes(on_gpu: bool, free_bytes: int, workspace_bytes: int) -> int:

@@ -20,11 +20,14 @@ what its requests so far keep (`Session.grow`: a branch per request that leaves 
 session whose pages are taken after all (admission.py, scheduler.py) is suspended: its holds
 drop, its reservation is given back, and its next request is admitted like a first one.
 
-With a host tier, idle paths cost a copy, not a recompute: a session reserves on the device only
-the paths its live requests use (at least one a pool it keeps paths in), and the rest of its
-projection in host bytes, against the host budget. Its held pages still go after unheld ones,
-but count as room (evicting them writes them back to the host), and come back when its next
-request is admitted, or shortly before it is due (`session_next_s`, `prefetch`).
+With a host tier, idle paths cost a copy, not a recompute: a session whose requests say they
+pause longer than PREFETCH_LEAD_S before the next (`session_next_s`: a tool call) reserves on the
+device only the paths its live requests use (at least one a pool it keeps paths in), and the
+rest of its projection in host bytes, against the host budget. Its held pages still go after
+unheld ones, but count as room (evicting them writes them back to the host), and come back when
+its next request is admitted, or shortly before it is due (`prefetch`). A session that does not
+pause keeps its whole projection on the device, as without a tier: otherwise its agents' paths
+would be copied out and back in at every turn, for no idle time to fill.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Session:
     live_paths: dict = dataclasses.field(default_factory=dict)
     idle_since: float | None = None  # when its last live request ended; None while one is live
     next_at: float | None = None  # when its next request is due (`session_next_s`), until prefetched
+    pause_s: float = 0.0  # its latest request's `session_next_s`: the pause before the next
     ending: bool = False  # a request said session_end: it ends when none is live
     admitted: bool = False  # holds a reservation (admission.py)
     tokens: int = 0  # longest request so far: prompt + max_new_tokens
@@ -133,6 +137,8 @@ class Sessions:
             self.gaps.append(self.clock() - s.idle_since)
             self.longest_gap = max(self.gaps)
         s.idle_since = s.next_at = None
+        if seq.req.session_next_s is not None:
+            s.pause_s = seq.req.session_next_s
         target = len(seq.prompt) + seq.params.max_new_tokens
         s.tokens = max(s.tokens, target)
         prompt = np.asarray(seq.prompt, np.int32)
@@ -207,9 +213,9 @@ class Sessions:
 
     def reservation(self, s: Session) -> tuple[tuple[float, float], float]:
         """((base, residual) device pages, host bytes) session `s` reserves: its whole
-        projection on the device; with a host tier, the paths of its live requests there (at
-        least one a pool) and the rest on the host."""
-        if not self.host_capacity:
+        projection on the device; with a host tier and a pause between its requests, the paths
+        of its live requests there (at least one a pool) and the rest on the host."""
+        if not self.host_capacity or s.pause_s <= PREFETCH_LEAD_S:
             return self.projection(s), 0.0
         live = [sum(n[i] for n in s.live_paths.values()) for i in range(len(POOLS))]
         device, host = [], 0.0
