@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def grow_pinned_host(nbytes: int, device=None) -> None:
@@ -38,9 +41,14 @@ def grow_pinned_host(nbytes: int, device=None) -> None:
     the array is freed. It grows on demand otherwise, and each growth (cudaHostAlloc) waits for
     the device's work in flight: on the H200 a store that grew it held the host ~0.1-0.2 s,
     one that fit the allocator's region 0.3 ms. Pinning takes ~0.5 s a GiB there, so the
-    engine runs this in a thread of its own at start."""
+    engine runs this in a thread of its own at start. Best effort: where the allocator cannot
+    give `nbytes` at once (another engine's host pages still live), it grows as stores come."""
     host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
-    jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=host)().block_until_ready()
+    try:
+        jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=host)().block_until_ready()
+    except jax.errors.JaxRuntimeError as e:
+        log.warning("host tier: could not pin %d bytes ahead (%s); stores may wait for the "
+                    "allocator to grow", nbytes, str(e).splitlines()[0])
 
 
 class HostBudget:
