@@ -133,10 +133,11 @@ class EngineConfig:
     max_batch_size: int | None = None
     max_lora_rank: int | None = None
     max_loras: int = 8  # adapter slots held on the device at once (slot 0 is the bare base model)
+    max_cpu_loras: int | None = None  # adapters loaded (on the host) at most; None: no bound
     # Projections that carry LoRA slots (k_proj and v_proj always). None: the modules the
     # adapters given at start target, or all seven when none are given.
     lora_target_modules: tuple[str, ...] | None = None
-    residual_fanout: bool = False  # forkkv: requests write every loaded adapter's residual
+    residual_fanout: bool = False  # forkkv: requests write the residuals of the adapters in slots
     residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
     schedule_policy: str = "lpm"  # "lpm" (cache-aware admission) | "fifo"
     # Logits bitwise independent of the batch, the chunking and prefix hits (buckets.py: fixed)
@@ -152,7 +153,7 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {DTYPES}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: expected a positive int")
-        for name in ("kv_cache_bytes", "max_batch_size", "max_lora_rank"):
+        for name in ("kv_cache_bytes", "max_batch_size", "max_lora_rank", "max_cpu_loras"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: expected a positive int or None")

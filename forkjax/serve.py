@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("forkkv", "prefix", "full_reuse", "lrshared"),
                    help="KV sharing across adapters (%(default)s; `prefix` is exact)")
     p.add_argument("--residual-fanout", action="store_true",
-                   help="forkkv: every request also writes the residual KV of every loaded adapter "
+                   help="forkkv: every request also writes the residual KV of the adapters in device slots "
                         "(a request's fanout_adapters overrides it)")
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of --kv-cache-bytes for the residual pool, in (0, 1) (default: one "
@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill step (%(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (%(default)s)")
     p.add_argument("--max-loras", type=int, default=8,
-                   help="adapter slots, the base model's included (%(default)s)")
+                   help="adapter slots on the device, the base model's included (%(default)s); more "
+                        "adapters wait on the host and take a slot when a request needs one")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters loaded at most, on the host (default: no bound)")
+    p.add_argument("--pinned-lora", action="append", default=[], metavar="NAME",
+                   help="a --lora adapter that keeps its device slot (repeatable)")
     p.add_argument("--max-lora-rank", type=int, default=None,
                    help="largest adapter rank (default: the initial adapters' largest, at least 16)")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
@@ -182,6 +187,7 @@ NUMBER_FLAGS = {
     "page_size": (_positive, "an int >= 1"),
     "max_loras": (_positive, "an int >= 1 (the base model takes one slot)"),
     "max_lora_rank": (_positive, "an int >= 1"),
+    "max_cpu_loras": (_positive, "an int >= 1"),
     "kv_cache_bytes": (_positive, "a size > 0"),
     "max_request_bytes": (_positive, "a size > 0"),
     "seed": (lambda v: 0 <= v < 2**63, "an int in [0, 2**63)"),
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None):
         engine = forkjax.Engine.from_pretrained(
             args.model, adapters=dict(args.lora) or None, cache_policy=args.cache_policy, dtype=args.dtype,
             page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
-            max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, seed=args.seed,
+            max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+            pinned_adapters=args.pinned_lora, seed=args.seed,
             lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,

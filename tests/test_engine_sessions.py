@@ -218,7 +218,7 @@ def test_session_next_s_loads_an_idle_sessions_pages_back_before_its_next_reques
     now = [0.0]
     sessions = Sessions(cache, clock=lambda: now[0], max_tokens=512)
     tokens = np.asarray(_prompt(5, 160), np.int32)
-    seq = Sequence(Request(tuple(tokens), "a0", 1, "a0", SamplingParams(max_new_tokens=0),
+    seq = Sequence(Request(tuple(tokens), "a0", "a0", SamplingParams(max_new_tokens=0),
                            session_id="w", session_next_s=1.0))
     seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), 0.0
     sessions.added(seq).admitted = True

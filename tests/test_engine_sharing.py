@@ -92,7 +92,7 @@ def test_fanout_writes_the_other_agents_xA_from_this_agents_hidden_states(hf_sui
     while engine.scheduler.has_work:
         engine.step()
     assert seq.status is Status.FINISHED
-    key = engine.slots.by_name["a1"][1].content_hash
+    key = engine.slots.by_name["a1"].content_hash
     n, pages, _ = engine.cache.res_tree.match_prefix(key, np.asarray(prompt, np.int32))
     assert n == 48
     hf = load_hf(base, torch.float64, adapters["qkvo8"])

@@ -95,7 +95,8 @@ def test_metrics_prometheus_format(server):
                 'forkjax:prefix_cache_hit_rate{pool="base"}', 'forkjax:prefix_cache_hit_rate{pool="residual"}',
                 "forkjax:decode_batch_size_mean", 'forkjax:kv_pages_total{pool="base"}',
                 "forkjax:host_bytes_used", 'forkjax:host_bytes_transferred_total{direction="stored"}',
-                "forkjax:host_load_stall_seconds_total"):  # the test server has a host tier
+                "forkjax:host_load_stall_seconds_total",  # the test server has a host tier
+                "forkjax:lora_adapters_in_slots", "forkjax:lora_swaps_total", "forkjax:lora_swap_wait_seconds_total"):
         assert key in after, key
     assert 0 < after['forkjax:prefix_cache_hit_rate{pool="base"}'] <= 1
     assert after['forkjax:kv_pages_used{pool="base"}'] > 0

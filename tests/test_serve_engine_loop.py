@@ -42,7 +42,7 @@ class ScriptedEngine:
 
     @property
     def by_name(self):
-        return {n: (i, type("A", (), {"source": n})) for i, n in enumerate(self.adapters)}
+        return {n: type("A", (), {"source": n}) for n in self.adapters}
 
     def add_request(self, prompt, adapter, params, *, session_id=None, session_end=False,
                     session_tokens=None, session_next_s=None, fanout_adapters=None, cache_salt=None):
@@ -50,9 +50,9 @@ class ScriptedEngine:
             raise KeyError(adapter)
         if not prompt:
             raise ValueError("empty prompt")
-        fanout = {self.by_name[n][0]: n for n in fanout_adapters or ()}  # KeyError for an unknown one
+        fanout = {n: n for n in fanout_adapters or () if self.by_name[n]}  # KeyError for an unknown one
         # the salt is folded into the cache key (adapter_key), as the engine does
-        seq = Sequence(Request(tuple(prompt), adapter, 0, salted(adapter, cache_salt), params,
+        seq = Sequence(Request(tuple(prompt), adapter, salted(adapter, cache_salt), params,
                                session_id=session_id,
                                session_end=session_end, session_tokens=session_tokens,
                                session_next_s=session_next_s, fanout=tuple(fanout.items())))
@@ -81,8 +81,7 @@ class ScriptedEngine:
         seq.finish(reason)
 
     def unload_adapter(self, name):
-        slot = self.by_name[name][0]
-        assert not any(s.adapter == name or slot in s.fanout for s in self.running), \
+        assert not any(s.adapter == name or name in s.targets.values() for s in self.running), \
             "unloaded under a running request"
         del self.adapters[name]
 
@@ -159,7 +158,7 @@ def test_unload_waits_for_requests_that_fan_out_to_the_adapter(loop):
     # The fan-out writes the slot's weights under the adapter's key: not after the slot changed.
     running, fut, handle = submit(loop, "b", 200, fanout_adapters=["a"])
     fut.result(5)
-    assert handle.seq.fanout == {0: "a"}
+    assert handle.seq.targets == {"a": "a"}
     unloaded = loop.after_drain("a", lambda: loop.engine.unload_adapter("a"))
     unloaded.result(10)
     assert running.done.is_set() and running.tokens == [7] * 200
@@ -199,8 +198,8 @@ def test_session_salt_and_fanout_reach_every_choice(client, loop):
                                              "cache_salt": "team-a", "session_end": True,
                                              "session_tokens": 900})
     assert r.status_code == 200, r.text
-    assert [(s.session_id, s.session_end, s.session_tokens, s.fanout, s.adapter_key)
-            for s in loop.engine.added] == [("wf-1", True, 900, {1: "b"}, salted("a", "team-a"))] * 4
+    assert [(s.session_id, s.session_end, s.session_tokens, s.targets, s.adapter_key)
+            for s in loop.engine.added] == [("wf-1", True, 900, {"b": "b"}, salted("a", "team-a"))] * 4
 
 
 def test_bad_fanout_is_refused_before_anything_is_queued(client, loop):

@@ -26,6 +26,7 @@ BAD = [
     (["--page-size", "0"], "--page-size 0: expected an int >= 1"),
     (["--max-loras", "0"], "--max-loras 0: expected an int >= 1"),
     (["--max-lora-rank", "0"], "--max-lora-rank 0: expected an int >= 1"),
+    (["--max-cpu-loras", "0"], "--max-cpu-loras 0: expected an int >= 1"),
     (["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: expected a size > 0"),
     (["--kv-cache-bytes", "0.4"], "--kv-cache-bytes 0: expected a size > 0"),  # rounds to 0 bytes
     (["--max-request-bytes", "0M"], "--max-request-bytes 0: expected a size > 0"),
@@ -66,6 +67,19 @@ def test_edge_values_pass_the_check(argv, monkeypatch):
     monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
     with pytest.raises(SystemExit, match="forkjax.serve: error: checked"):
         main([*argv, "--compilation-cache-dir", ""])
+
+
+def test_adapter_swap_flags_reach_the_engine(monkeypatch):
+    seen = {}
+
+    def from_pretrained(model, **kw):
+        seen.update(kw)
+        raise ValueError("checked")
+    monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
+    with pytest.raises(SystemExit):
+        main(["--max-loras", "4", "--max-cpu-loras", "64", "--pinned-lora", "a", "--pinned-lora", "b",
+              "--compilation-cache-dir", ""])
+    assert (seen["max_loras"], seen["max_cpu_loras"], seen["pinned_adapters"]) == (4, 64, ["a", "b"])
 
 
 def test_the_command_refuses_bad_numbers_before_loading():

@@ -153,10 +153,12 @@ class Admission:
     # ---- admitting ------------------------------------------------------------------------
 
     def admit(self, waiting, running: list[Sequence], max_batch_size: int,
-              start: Callable[[Sequence], None]) -> None:
+              start: Callable[[Sequence], bool]) -> None:
         """Start the waiting requests that fit, in `order`'s order, while the batch has room;
         `start(seq)` moves a request from `waiting` (the scheduler's queue) to `running` (its
-        list). When none fits, the oldest blocked one may take held pages."""
+        list), or returns False while its adapters find no device slot (those of running
+        requests keep theirs): others go first, unless it is urgent. When none fits, the oldest
+        blocked one may take held pages."""
         if not waiting or len(running) >= max_batch_size:
             return
         room, blocked, gate = None, [], Gate(self.sessions)
@@ -178,7 +180,10 @@ class Admission:
             else:  # nothing else will free pages: holds give way
                 fits = True
             if fits:
-                start(seq)
+                if not start(seq):
+                    if self.is_urgent(seq):
+                        break  # nobody overtakes it while it waits for a slot
+                    continue
                 if room is not None:
                     room = (room[0] - need[0], room[1] - need[1])
                 continue

@@ -17,7 +17,7 @@ from forkjax.engine.engine_core import EngineCore
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
 from forkjax.engine.sequence import SamplingParams
 from forkjax.lora.peft import LoraAdapter
-from forkjax.lora.slots import check_fits, write_slot
+from forkjax.lora.slots import check_fits
 
 # `warmup` by the name `python -m forkjax.serve --warmup` gives it
 WARMUP_MODES = {"background": "background", "full": True, "none": False}
@@ -30,19 +30,24 @@ class Engine(EngineCore):
     @classmethod
     def from_pretrained(cls, model, adapters=None, cache_policy="forkkv", dtype="bfloat16",
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
-                        max_lora_rank=None, *, max_loras: int = 8, seed: int = 0,
+                        max_lora_rank=None, *, max_loras: int = 8, max_cpu_loras: int | None = None,
+                        pinned_adapters=(), seed: int = 0,
                         lora_target_modules=None, residual_fanout: bool = False,
                         residual_fraction: float | None = None, schedule_policy: str = "lpm",
                         deterministic: bool = False, host_kv_bytes: int | None = None,
                         **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
-        `lora_target_modules`: projections that carry LoRA slots (default: those the start-up
-        adapters target, all seven without any; adapters loaded later must fit in them).
-        `residual_fanout` (`forkkv` only): a request also writes the residuals of every other
-        loaded adapter from its own hidden states, unless it names its group
+        `max_loras`: device adapter slots (slot 0 is the bare model): more adapters than
+        slots wait on the host and take a slot when a request needs one, least recently used
+        first (lora/slots.py); `max_cpu_loras`: adapters loaded at most (None: no bound);
+        `pinned_adapters`: names that keep their slots. `lora_target_modules`: projections
+        that carry LoRA slots (default: those the start-up adapters target, all seven without
+        any; adapters loaded later must fit in them). `residual_fanout` (`forkkv` only): a
+        request also writes the residuals of the other adapters in device slots (every other
+        loaded one while they fit) from its own hidden states, unless it names its group
         (`fanout_adapters`). `residual_fraction`: share of `kv_cache_bytes` for the residual
-        pool (default: one residual copy per base token per adapter loaded here, at least one).
+        pool (default: one residual copy per base token per adapter that fits in a slot).
         `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo". `deterministic`: a
         request's logits are bitwise the same whatever batch it runs in, however its prompt was
         chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
@@ -57,7 +62,7 @@ class Engine(EngineCore):
         the warm-up's compiles) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
-                           max_lora_rank=max_lora_rank, max_loras=max_loras,
+                           max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                            lora_target_modules=None if lora_target_modules is None
                            else tuple(lora_target_modules), residual_fanout=residual_fanout,
                            residual_fraction=residual_fraction, schedule_policy=schedule_policy,
@@ -65,47 +70,52 @@ class Engine(EngineCore):
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
         if cache_policy == "lrshared":
             _check_lrshared(loaded)
-        copies = max(1, len(loaded)) if cache_policy == "forkkv" else 1
+        unknown = sorted(set(pinned_adapters) - {a.name for a in loaded})
+        if unknown:
+            raise ValueError(f"pinned_adapters: {unknown} are not among the adapters loaded at start")
+        # One residual copy per adapter that can be active at once (in a device slot)
+        copies = max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1
         engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
         for adapter in loaded:
-            engine._install(adapter)
+            engine._install(adapter, adapter.name in pinned_adapters)
         return engine
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path):
-        """Add or replace adapter `name` (PEFT dir or `LoraAdapter`). Requests already running on
-        a replaced adapter finish first; new ones see the new weights and a new cache identity."""
+    def load_adapter(self, name: str, path, pinned: bool = False):
+        """Add or replace adapter `name` (PEFT dir or `LoraAdapter`); `pinned`: it keeps a
+        device slot. Requests already running on a replaced adapter finish first; new ones see
+        the new weights and a new cache identity."""
         self._check_open()
         adapter = read_adapters({name: path}, self.model_cfg)[0]
         check_fits(self.model, adapter)  # before draining anything
         if self.config.cache_policy == "lrshared":
-            others = [a for n, (_, a) in self.slots.by_name.items() if n != name]
+            others = [a for n, a in self.slots.by_name.items() if n != name]
             _check_lrshared(others + [adapter])
         self._drain(name)
-        self._install(adapter)
+        self._install(adapter, pinned)
 
     def unload_adapter(self, name: str):
         """Remove adapter `name` once the requests running on it have finished."""
         self._check_open()
-        self.slots.slot_of(name)  # KeyError for an unknown name, before anything changes
+        self.slots.check(name)  # KeyError for an unknown name, before anything changes
         self._drain(name)
-        write_slot(self.model, self.slots.remove(name), None)
-        self.runner.set_model(self.model)
+        self.slots.remove(name)
 
     def _drain(self, name: str):
         """Step until no request runs on adapter `name` or writes its residual (fan-out): its
         slot's weights and cache identity are about to change."""
-        slot = self.slots.by_name[name][0] if name in self.slots.by_name else None
-        while any(s.adapter == name or slot in s.fanout
+        while any(s.adapter == name or name in s.targets.values()
                   for s in self.scheduler.running + list(self.scheduler.waiting)):
             self.step()
 
-    def _install(self, adapter: LoraAdapter):
-        slot = self.slots.assign(adapter)
-        write_slot(self.model, slot, adapter)
-        self.slots.put(slot, adapter)
-        self.runner.set_model(self.model)
+    def _install(self, adapter: LoraAdapter, pinned: bool = False):
+        """Register `adapter`; it takes a device slot now if one is free or it is pinned."""
+        self.slots.add(adapter, pinned)
+        if pinned or len(self.slots.slot_by_name) < self.slots.num_slots - 1:
+            while (writes := self.slots.acquire([adapter.name], self.scheduler.busy_adapters)) is None:
+                self.step()  # every unpinned slot is in use: until one is free
+            self._write_slots(writes)
 
     def generate(self, prompts, adapters=None, max_new_tokens=16, temperature=0.0, top_p=1.0,
                  seed=0, *, top_k: int = 0, stop_token_ids=(), ignore_eos=False,

@@ -33,7 +33,7 @@ from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
-from forkjax.lora.slots import AdapterSlots, slot_rank
+from forkjax.lora.slots import AdapterSlots, slot_rank, write_slot
 
 
 class EngineCore:
@@ -49,7 +49,7 @@ class EngineCore:
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         on_gpu = jax.default_backend() == "gpu"
-        self.slots = AdapterSlots(cfg.max_loras)
+        self.slots = AdapterSlots(cfg.max_loras, cfg.max_cpu_loras)
         rank = self.max_lora_rank = slot_rank(model)
         limit, in_use = memory.device_memory()
         max_batch = cfg.max_batch_size or memory.default_max_batch_size(on_gpu, limit)
@@ -71,11 +71,10 @@ class EngineCore:
             self._pinning.start()
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
                           fixed=cfg.deterministic)
-        self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch,
+        self.scheduler = Scheduler(self.cache, buckets, self.slots, max_batch_size=max_batch,
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
                                    schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s,
-                                   session_ttl_s=_check_ttl(session_ttl_s),
-                                   num_agents=lambda: max(1, len(self.slots.by_name)))
+                                   session_ttl_s=_check_ttl(session_ttl_s))
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
                                   fanout=cfg.residual_fanout or _fixed_fanout(cfg))
@@ -133,16 +132,15 @@ class EngineCore:
         tool call's expected time): with a host tier, the session's paths that went to the
         host are loaded back shortly before (sessions.py). `fanout_adapters`
         (`forkkv`): the agents whose residuals this request writes too; None follows the
-        engine's `residual_fanout` (every loaded adapter, or none), [] none. `cache_salt`: the
+        engine's `residual_fanout` (the adapters in device slots, or none), [] none. `cache_salt`: the
         request shares cached pages (base and residual) only with requests of the same salt
         (one salt per trust domain: under `forkkv` agents of one salt read each other's base)."""
         self._check_open()
         ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
-        slot = self.slots.slot_of(adapter)
         salt = check_salt(cache_salt)
-        key = salted(self.slots.key_of(adapter), salt)
+        key = salted(self.slots.key_of(adapter), salt)  # KeyError for an unknown adapter
         check_session(session_id, session_end, session_tokens, session_next_s)
-        fanout = fanout_targets(self.slots, self.config, key, fanout_adapters, salt)
+        fanout = fanout_targets(self.slots, self.config, adapter, key, fanout_adapters, salt)
         params = params or SamplingParams()
         bad = [t for t, _ in params.logit_bias if t >= self.model_cfg.vocab_size]
         if bad:
@@ -152,7 +150,7 @@ class EngineCore:
             params = dataclasses.replace(params, stop_token_ids=tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids)))
         seq = Sequence(Request(
-            tuple(ids), adapter, slot, key, params, score=score, score_from=score_from,
+            tuple(ids), adapter, key, params, score=score, score_from=score_from,
             return_hidden=return_hidden, prefill_whole_prompt=self.config.deterministic,
             session_id=session_id, session_end=session_end, session_tokens=session_tokens,
             session_next_s=session_next_s, fanout=tuple(fanout.items())))
@@ -177,6 +175,11 @@ class EngineCore:
         return self._launch_and_finish(t0, batch)
 
     def _launch_and_finish(self, t0, batch) -> list[Sequence]:
+        writes = self.scheduler.take_slot_writes()
+        if writes:
+            t = time.perf_counter()
+            self._write_slots(writes)
+            self.slots.swapped(writes, time.perf_counter() - t)
         t1 = time.perf_counter()
         self.metrics.time("schedule_s", t1 - t0)
         if batch is None:
@@ -193,6 +196,14 @@ class EngineCore:
         done += self._finish_inflight()  # the previous step, while this one runs
         self._inflight = launched
         return done + (self._finish_inflight() if sync else [])
+
+    def _write_slots(self, writes):
+        """Write adapters into device slots: [(slot, LoraAdapter)] (`AdapterSlots.acquire`). A
+        step in flight keeps the weights it was launched with (JAX orders the donated update
+        after it), and no request in it uses these slots (acquire keeps running ones')."""
+        for slot, adapter in writes:
+            write_slot(self.model, slot, adapter)
+        self.runner.set_model(self.model)
 
     def _finish_inflight(self) -> list[Sequence]:
         if self._inflight is None:
@@ -230,7 +241,7 @@ class EngineCore:
         stats of the interval that ends, so a caller reads hit rates and decode batch sizes
         per interval."""
         s = self.stats()
-        self.metrics.reset(self.cache, self.scheduler)
+        self.metrics.reset(self.cache, self.scheduler, self.slots)
         return s
 
     def flush_cache(self) -> int:

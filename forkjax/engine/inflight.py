@@ -44,7 +44,7 @@ def pool_namespaces(policy, seq) -> list[tuple[str, Hashable]]:
     out = [("base", policy.base_ns(seq.adapter_key))]
     if policy.res_ns(seq.adapter_key) is not None:
         out.append(("res", policy.res_ns(seq.adapter_key)))
-    out += [("res", policy.res_ns(key)) for key in seq.fanout.values()]
+    out += [("res", policy.res_ns(key)) for key in seq.targets]
     return out
 
 

@@ -50,13 +50,14 @@ def check_session(session_id, session_end, session_tokens, session_next_s=None) 
         raise ValueError("session_end, session_tokens and session_next_s need a session_id")
 
 
-def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names,
+def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, own_key, names,
                    salt: str | None = None) -> dict:
-    """`fanout_adapters` -> {adapter slot: cache key} of the residuals a request writes besides
-    its own (within its `salt`): None follows `config.residual_fanout` (every loaded adapter, or
-    none)."""
+    """`fanout_adapters` -> {adapter name: cache key} of the residuals a request on adapter
+    `own` writes besides its own (within its `salt`): None follows `config.residual_fanout`
+    (none, or the other adapters in device slots now: every loaded one while they fit in
+    `max_loras`). ValueError if they and `own` cannot be in device slots at once."""
     if names is None:
-        names = list(slots.by_name) if config.residual_fanout else []
+        names = [n for n in slots.slot_by_name if n != own][: slots.num_slots - 2] if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
     names = list(names)
@@ -64,9 +65,14 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own_key, names,
         raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {config.cache_policy!r}")
     out, keys = {}, {own_key}
     for name in names:
-        slot = slots.slot_of(name)  # KeyError for an unknown one
-        key = salted(slots.key_of(name), salt)
+        key = salted(slots.key_of(name), salt)  # KeyError for an unknown one
         if key not in keys:  # the same weights under two names share one residual
             keys.add(key)
-            out[slot] = key
+            out[name] = key
+    need = {own, *out} - {None}
+    room = slots.num_slots - 1 - len(slots.pinned - need)
+    if len(need) > room:
+        raise ValueError(f"the request needs {len(need)} adapters in device slots at once (its own and "
+                         f"its fan-out targets) but {room} slots can take them (max_loras="
+                         f"{slots.num_slots}, pinned: {sorted(slots.pinned)})")
     return out

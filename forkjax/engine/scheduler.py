@@ -35,6 +35,7 @@ from forkjax.engine.inflight import InflightPages, pool_namespaces
 from forkjax.engine.output_processor import SchedulerOutputProcessorMixin
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
+from forkjax.lora.slots import AdapterSlots
 
 log = logging.getLogger("forkjax")
 
@@ -45,14 +46,16 @@ class PreemptionNeeded(RuntimeError):
 
 
 class Scheduler(SchedulerOutputProcessorMixin):
-    def __init__(self, cache: DualRadixCache, buckets: Buckets, *, max_batch_size: int,
-                 max_prefill_tokens: int, max_model_len: int, schedule_policy: str = "lpm",
-                 max_wait_s: float = 60.0, session_ttl_s: float = SESSION_TTL_S,
-                 clock: Callable[[], float] = time.monotonic,
-                 num_agents: Callable[[], int] | None = None):
-        """`clock`: seconds for arrivals, waits and session idle times (a replay passes a
-        virtual one); `num_agents()`: adapters loaded (sessions.py projects with it)."""
+    def __init__(self, cache: DualRadixCache, buckets: Buckets, slots: AdapterSlots, *,
+                 max_batch_size: int, max_prefill_tokens: int, max_model_len: int,
+                 schedule_policy: str = "lpm", max_wait_s: float = 60.0,
+                 session_ttl_s: float = SESSION_TTL_S, clock: Callable[[], float] = time.monotonic):
+        """`slots`: the adapters and their device slots, which a request takes when it starts
+        (the engine writes the weights: `take_slot_writes`); `clock`: seconds for arrivals,
+        waits and session idle times (a replay passes a virtual one)."""
         self.cache = cache
+        self.slots = slots
+        self._slot_writes: list = []
         self.clock = clock
         self.buckets = buckets
         self.max_batch_size = max_batch_size
@@ -60,7 +63,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.max_model_len = max_model_len
         self.inflight = InflightPages(cache.page_size)
         self.sessions = Sessions(cache, ttl_s=session_ttl_s, clock=clock,
-                                 max_tokens=max_model_len, num_agents=num_agents)
+                                 max_tokens=max_model_len, num_agents=lambda: max(1, len(slots.by_name)))
         self.admission = Admission(cache, self.inflight, self.sessions, schedule_policy,
                                    max_wait_s, clock)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -128,7 +131,23 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.waiting.append(seq)
         self.admission.on_wait(seq)
 
-    def _start(self, seq: Sequence):
+    def busy_adapters(self) -> set:
+        """Names of the adapters running requests use (their own and their fan-out targets')."""
+        return {n for s in self.running for n in (s.adapter, *s.targets.values()) if n is not None}
+
+    def take_slot_writes(self) -> list:
+        """The (slot, adapter) writes the requests started since the last call need."""
+        writes, self._slot_writes = self._slot_writes, []
+        return writes
+
+    def _start(self, seq: Sequence) -> bool:
+        """Start `seq` if its adapters (its own, its fan-out targets) can take device slots."""
+        writes = self.slots.acquire([seq.adapter, *seq.targets.values()], self.busy_adapters)
+        if writes is None:
+            return False
+        self._slot_writes += writes
+        seq.slot = self.slots.slot_of(seq.adapter)
+        seq.fanout = {self.slots.slot_of(name): key for key, name in seq.targets.items()}
         self.waiting.remove(seq)
         self.admission.on_leave(seq)
         first = seq.first_admitted is None  # a preempted request's hits are not recounted
@@ -140,6 +159,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self._copies[seq.id] = ([], [])
         self.inflight.register(seq, seq.num_computed, len(seq.prompt))
         self.running.append(seq)
+        return True
 
     # ---- in-flight sharing (inflight.py) ---------------------------------------------------
 
@@ -166,8 +186,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """Fan-out pools the cache dropped: their pages will not come from this request."""
         dropped = [slot for slot in seq.fanout if slot not in seq.cache.fanout]
         for slot in dropped:
-            ns = self.cache.policy.res_ns(seq.fanout.pop(slot))
-            self.inflight.forget(seq.id, ("res", ns))
+            key = seq.fanout.pop(slot)
+            del seq.targets[key]
+            self.inflight.forget(seq.id, ("res", self.cache.policy.res_ns(key)))
         if dropped:
             seq.key_ns = pool_namespaces(self.cache.policy, seq)
 

@@ -95,7 +95,6 @@ class Request:
     """What a client asked for; it never changes once queued."""
     prompt: tuple[int, ...]
     adapter: str | None  # None: the bare base model
-    slot: int  # its adapter's device slot
     adapter_key: Hashable  # its adapter's cache identity (salted: cache/policy.py)
     params: SamplingParams
     score: bool = False  # compute prompt positions and keep their logits
@@ -108,7 +107,7 @@ class Request:
     session_end: bool = False  # its workflow's last: the session ends when it does
     session_tokens: int | None = None  # the workflow's expected final length
     session_next_s: float | None = None  # seconds from its end to the workflow's next request
-    fanout: tuple[tuple[int, Hashable], ...] = ()  # (adapter slot, key) whose residuals it writes
+    fanout: tuple[tuple[str, Hashable], ...] = ()  # (adapter name, key) whose residuals it writes
 
 
 class Sequence:
@@ -119,15 +118,15 @@ class Sequence:
     __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
                  "first_admitted", "cache", "fanout", "key_ns", "num_computed", "num_verified",
                  "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
-                 "params", "slot", "score", "session_id")
+                 "params", "slot", "score", "session_id", "targets")
 
     def __init__(self, req: Request):
         self.id = next(_ids)
         self.req = req
         # the request's fields read for every request of every step, as plain attributes (the
         # others go through __getattr__, a failed lookup first: ~1 µs each)
-        self.params, self.slot, self.score, self.session_id = (req.params, req.slot, req.score,
-                                                               req.session_id)
+        self.params, self.score, self.session_id = req.params, req.score, req.session_id
+        self.slot = 0  # its adapter's device slot, from when it starts (Scheduler._start)
         self.status = Status.WAITING
         self.output: list[int] = []
         self.finish_reason: str | None = None
@@ -136,7 +135,8 @@ class Sequence:
         self.priority = self.arrival  # its workflow's age under pressure (admission.py)
         self.first_admitted: float | None = None  # when it was first admitted
         self.cache = None  # SeqCache while running
-        self.fanout = dict(req.fanout)  # {adapter slot: key} it still writes (one may drop out)
+        self.targets = {key: name for name, key in req.fanout}  # fan-out residuals it still writes
+        self.fanout: dict = {}  # {adapter slot: key} of those, from when it starts
         self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
         # leading tokens computed by steps whose results were read and found finite: what a

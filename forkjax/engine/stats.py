@@ -50,7 +50,7 @@ class EngineStats:
         agents named by adapter (`slots`: the engine's AdapterSlots), hit rates, the decode
         batch and the queues."""
         s = cache.stats()
-        names = {a.content_hash: n for n, (_, a) in slots.by_name.items()}
+        names = {a.content_hash: n for n, a in slots.by_name.items()}
         s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}
         s["decode_batch_size_mean"] = self.decode_seqs / self.decode_steps if self.decode_steps else 0.0
         s["decode_steps"] = self.decode_steps
@@ -64,11 +64,14 @@ class EngineStats:
         s["workflows_running_peak"] = scheduler.workflows_running_peak
         s["workflows_suspended"] = scheduler.sessions.num_suspended
         s["sessions_open"] = len(scheduler.sessions.by_id)
+        s["loras_loaded"], s["loras_in_slots"] = len(slots.by_name), len(slots.slot_by_name)
+        s["lora_swaps"], s["lora_swap_bytes"], s["lora_swap_wait_s"] = slots.swaps, slots.swap_bytes, slots.swap_s
         return s
 
-    def reset(self, cache, scheduler) -> None:
+    def reset(self, cache, scheduler, slots) -> None:
         """Set the counters of `snapshot` back to zero (the pools and step times are untouched)."""
         cache.reset_stats()
+        slots.swaps = slots.swap_bytes = slots.swap_s = 0
         self.decode_steps = self.decode_seqs = 0
         scheduler.prefill_tokens_computed = scheduler.num_preemptions = 0
         scheduler.workflows_running_peak = scheduler.sessions.num_suspended = 0

@@ -48,6 +48,11 @@ class LoraAdapter:
                         f"{BLOCK[module]}.{module}.lora_{ab}.weight has {bad} non-finite values "
                         "(NaN or inf); refusing to load it")
 
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """Bytes of its A and B (float32, on the host)."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
     @property
     def targets(self) -> frozenset[str]:
         return frozenset(m for _, m in self.weights)

@@ -1,11 +1,13 @@
-"""Adapter slots on the device: N stacked LoRA weights per projection, slot 0 the bare base model.
+"""Adapter slots on the device: N stacked LoRA weights per projection, slot 0 the bare base model,
+and the loaded adapters on the host that take them (vLLM's `max_loras` / `max_cpu_loras`).
 
-Loading an adapter writes its (zero-padded) A and B into one slot of every targeted projection
-and zeros into the others, so a slot always holds exactly one adapter's function.
+Writing an adapter into a slot writes its (zero-padded) A and B into that slot of every targeted
+projection and zeros into the others, so a slot always holds exactly one adapter's function.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -76,36 +78,87 @@ def write_slot(model, slot: int, adapter: LoraAdapter | None):
 
 
 class AdapterSlots:
-    """Host map name -> slot with the adapters' identities (their content hashes)."""
+    """The loaded adapters (kept on the host, by name, with their content hashes) and the
+    device slots they occupy. Slot 0 is the bare base model; slots 1 .. num_slots - 1 take
+    adapters as requests need them (`acquire`), the least recently used one giving way, never
+    one that a running request uses nor a pinned one (SGLang's `pinned`: it keeps its slot)."""
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.by_name: dict[str, tuple[int, LoraAdapter]] = {}
+    def __init__(self, num_slots: int, max_cpu_loras: int | None = None):
+        self.num_slots, self.max_cpu_loras = num_slots, max_cpu_loras
+        self.by_name: dict[str, LoraAdapter] = {}  # every loaded adapter
+        self.pinned: set[str] = set()
+        self.slot_by_name: dict[str, int] = {}  # the adapters in device slots
+        self._lru: collections.OrderedDict[str, None] = collections.OrderedDict()  # those, oldest use first
+        # adapters written into a slot for a request (`swapped`), their (host, float32) bytes,
+        # and the seconds steps waited for those writes
+        self.swaps = self.swap_bytes = 0
+        self.swap_s = 0.0
 
-    def slot_of(self, name: str | None) -> int:
-        if name is None:
-            return BASE_SLOT
-        if name not in self.by_name:
+    def check(self, name: str | None) -> None:
+        if name is not None and name not in self.by_name:
             raise KeyError(f"unknown adapter {name!r} (loaded: {sorted(self.by_name)})")
-        return self.by_name[name][0]
 
     def key_of(self, name: str | None):
         """The adapter's cache identity (content hash; None for the bare base model)."""
-        return None if name is None else self.by_name[name][1].content_hash
+        self.check(name)
+        return None if name is None else self.by_name[name].content_hash
 
-    def assign(self, adapter: LoraAdapter) -> int:
-        """Slot for `adapter`: its old slot when replacing a name, else a free one."""
-        if adapter.name in self.by_name:
-            return self.by_name[adapter.name][0]
-        used = {s for s, _ in self.by_name.values()}
-        free = [s for s in range(1, self.num_slots) if s not in used]
-        if not free:
-            raise ValueError(f"all {self.num_slots - 1} adapter slots are in use; unload one "
-                             "or raise max_loras")
-        return free[0]
+    def slot_of(self, name: str | None) -> int | None:
+        """The device slot `name` is in now (BASE_SLOT for None), None if it is on the host."""
+        self.check(name)
+        return BASE_SLOT if name is None else self.slot_by_name.get(name)
 
-    def put(self, slot: int, adapter: LoraAdapter):
-        self.by_name[adapter.name] = (slot, adapter)
+    def add(self, adapter: LoraAdapter, pinned: bool = False) -> None:
+        """Register `adapter` (replacing one of its name, which leaves its slot: the caller has
+        drained its requests); ValueError past `max_cpu_loras`, or if no slot would stay unpinned."""
+        name = adapter.name
+        if name not in self.by_name and self.max_cpu_loras is not None and len(self.by_name) >= self.max_cpu_loras:
+            raise ValueError(f"{len(self.by_name)} adapters are loaded, max_cpu_loras={self.max_cpu_loras}: "
+                             "unload one or raise max_cpu_loras")
+        if pinned and len(self.pinned - {name}) >= self.num_slots - 2:
+            raise ValueError(f"{len(self.pinned - {name})} of the {self.num_slots - 1} adapter slots are pinned: "
+                             "one stays for the others; unpin one or raise max_loras")
+        self.remove(name)
+        self.by_name[name] = adapter
+        if pinned:
+            self.pinned.add(name)
 
-    def remove(self, name: str) -> int:
-        return self.by_name.pop(name)[0]
+    def remove(self, name: str) -> None:
+        """Forget adapter `name` (nothing if it is not loaded); its slot is free."""
+        self.by_name.pop(name, None)
+        self.pinned.discard(name)
+        self.slot_by_name.pop(name, None)
+        self._lru.pop(name, None)
+
+    def acquire(self, names, busy=frozenset) -> list[tuple[int, LoraAdapter]] | None:
+        """Device slots for adapters `names` (None, the base model, needs none), evicting the
+        least recently used adapters that are neither in `busy()` (the names running requests
+        use: asked only when a swap is needed), in `names` nor pinned. -> the (slot, adapter)
+        writes that put them there, or None, changing nothing, where they do not fit."""
+        names = [n for n in dict.fromkeys(names) if n is not None]
+        need = [n for n in names if n not in self.slot_by_name]
+        if need:
+            used = set(self.slot_by_name.values())
+            free = [s for s in range(1, self.num_slots) if s not in used]
+            keep = set(busy()) | set(names) | self.pinned
+            evictable = [n for n in self._lru if n not in keep]
+            if len(need) > len(free) + len(evictable):
+                return None
+            for victim in evictable[:max(0, len(need) - len(free))]:
+                free.append(self.slot_by_name.pop(victim))
+                del self._lru[victim]
+        writes = []
+        for n in need:
+            slot = free.pop(0)
+            self.slot_by_name[n] = slot
+            writes.append((slot, self.by_name[n]))
+        for n in names:
+            self._lru[n] = None
+            self._lru.move_to_end(n)
+        return writes
+
+    def swapped(self, writes, seconds: float) -> None:
+        """Count `writes` (from `acquire`) that a request's start needed, done in `seconds`."""
+        self.swaps += len(writes)
+        self.swap_bytes += sum(adapter.nbytes for _, adapter in writes)
+        self.swap_s += seconds

@@ -128,7 +128,7 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         def install():
             if name in engine.slots.by_name and not body.load_inplace:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-            engine.load_adapter(name, adapter)
+            engine.load_adapter(name, adapter, pinned=body.pinned)
         try:
             await asyncio.wrap_future(loop.after_drain(name, install))
         except ValueError as e:

@@ -273,9 +273,8 @@ class EngineLoop:
         """Whether request `h` runs on adapter `name` or writes its residuals."""
         if h.adapter == name:
             return True
-        if h.seq is not None:  # queued: the engine resolved its fan-out to slots
-            entry = self.engine.slots.by_name.get(name)
-            return entry is not None and entry[0] in h.seq.fanout
+        if h.seq is not None:  # queued: the engine resolved its fan-out targets
+            return name in h.seq.targets.values()
         if h.fanout_adapters is None:
             return self.engine.config.residual_fanout
         return name in h.fanout_adapters
@@ -296,7 +295,7 @@ class EngineLoop:
 
     def _adapter_sources(self) -> dict[str, str]:
         return {name: display_path(adapter.source)
-                for name, (_, adapter) in self.engine.slots.by_name.items()}
+                for name, adapter in self.engine.slots.by_name.items()}
 
     @property
     def num_held(self) -> int:

@@ -87,6 +87,13 @@ def render(s: dict, model_name: str) -> str:
     metric("request_success_total", "counter", "Finished requests, by finish reason.",
            [(f'finished_reason="{r}"', s["finished"].get(r, 0)) for r in REASONS])
     metric("lora_adapters_loaded", "gauge", "LoRA adapters being served.", [("", s["adapters"])])
+    metric("lora_adapters_in_slots", "gauge", "LoRA adapters in device slots (--max-loras).",
+           [("", s["loras_in_slots"])])
+    metric("lora_swaps_total", "counter", "Adapters written into a device slot for a request.",
+           [("", s["lora_swaps"])])
+    metric("lora_swap_bytes_total", "counter", "Bytes of the adapters swapped in.", [("", s["lora_swap_bytes"])])
+    metric("lora_swap_wait_seconds_total", "counter", "Host seconds steps waited for adapter swaps.",
+           [("", s["lora_swap_wait_s"])])
     for name, hist in s["latency"].items():
         buckets, total, count = hist.samples()
         lines.append(f"# HELP forkjax:{name} {HELP[name]}")

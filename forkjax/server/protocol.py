@@ -199,6 +199,8 @@ class LoadLoRAAdapterRequest(StrictBody):
     lora_path: str = Field(min_length=1, max_length=4096,
                            description="a PEFT directory: adapter_config.json + adapter_model.safetensors")
     load_inplace: bool = Field(False, description="replace an adapter already loaded under this name")
+    pinned: bool = Field(False, description="keep it in a device slot (adapters beyond the slots wait "
+                                            "on the host and swap in when a request needs them)")
 
 
 class UnloadLoRAAdapterRequest(StrictBody):

@@ -37,7 +37,6 @@ HTTP stack is not modelled.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import numpy as np
 
@@ -50,6 +49,8 @@ from forkjax.engine.scheduler import Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.stats import EngineStats
+from forkjax.lora.peft import LoraAdapter
+from forkjax.lora.slots import AdapterSlots
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows.base import MAX_RANDOM_ID
 
@@ -139,7 +140,11 @@ class ReplayEngine:
         cfg = (model if isinstance(model, ModelConfig)
                else ModelConfig.from_hf(BUILTIN_CONFIGS.get(model, model)))
         self.model_cfg, self.agents = cfg, tuple(agents)
-        self.slots = {name: i + 1 for i, name in enumerate(self.agents)}  # slot 0: the base model
+        # Every agent in a device slot of its own (slot 0: the base model); no weights to write
+        self.slots = AdapterSlots(len(self.agents) + 1)
+        for name in self.agents:
+            self.slots.add(LoraAdapter(name, rank, 1.0, {}))
+        self.slots.acquire(self.agents)
         self.policy, self.residual_fanout = cache_policy, residual_fanout
         layout = PoolLayout.from_budget(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -151,11 +156,11 @@ class ReplayEngine:
         self.clock = VirtualClock()
         self.sleep = self.clock.sleep
         buckets = Buckets(max_batch_size, max_prefill_tokens, -(-self.max_model_len // page_size))
-        self.scheduler = Scheduler(self.cache, buckets, max_batch_size=max_batch_size,
+        self.scheduler = Scheduler(self.cache, buckets, self.slots, max_batch_size=max_batch_size,
                                    max_prefill_tokens=max_prefill_tokens,
                                    max_model_len=self.max_model_len, schedule_policy=schedule_policy,
                                    max_wait_s=max_wait_s, session_ttl_s=session_ttl_s,
-                                   clock=self.clock, num_agents=lambda: len(self.agents))
+                                   clock=self.clock)
         self.cost = cost or StepCost.h200(cfg, layout)
         self.metrics = EngineStats()
         self.rng = np.random.default_rng(seed)
@@ -168,13 +173,15 @@ class ReplayEngine:
                     fanout_adapters=None) -> Sequence:
         """Queue a request (as `Engine.add_request`; KeyError for an unknown adapter)."""
         check_session(session_id, session_end, session_tokens, session_next_s)
-        slot = self.slots[adapter]
+        self.slots.check(adapter)
         if fanout_adapters is None:
             fanout_adapters = self.agents if self.residual_fanout else ()
-        fanout = {self.slots[a]: a for a in fanout_adapters if a != adapter}
+        fanout = {a: a for a in fanout_adapters if a != adapter}  # the agents' keys: their names
+        for a in fanout:
+            self.slots.check(a)
         if fanout and self.policy != "forkkv":
             raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {self.policy!r}")
-        seq = Sequence(Request(tuple(prompt), adapter, slot, adapter, params or SamplingParams(),
+        seq = Sequence(Request(tuple(prompt), adapter, adapter, params or SamplingParams(),
                                session_id=session_id, session_end=session_end,
                                session_tokens=session_tokens, session_next_s=session_next_s,
                                fanout=tuple(fanout.items())))
@@ -210,11 +217,11 @@ class ReplayEngine:
 
     def stats(self) -> dict:
         """`Engine.stats()`'s keys (agents named by adapter)."""
-        return self.metrics.snapshot(self.cache, self.scheduler, types.SimpleNamespace(by_name={}))
+        return self.metrics.snapshot(self.cache, self.scheduler, self.slots)
 
     def reset_stats(self) -> dict:
         s = self.stats()
-        self.metrics.reset(self.cache, self.scheduler)
+        self.metrics.reset(self.cache, self.scheduler, self.slots)
         return s
 
     def flush_cache(self) -> int:

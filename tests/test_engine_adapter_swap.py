@@ -1,0 +1,91 @@
+"""More adapters than device slots (lora/slots.py): adapters wait on the host and take a slot
+when a request needs one, least recently used first; outputs equal those of an engine with a
+slot for every adapter, pinned adapters keep theirs, and the bounds are clear errors."""
+
+import numpy as np
+import pytest
+
+import forkjax
+from conftest import SMALL
+from forkjax.config import ModelConfig
+from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+
+TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+NAMES = [f"a{i}" for i in range(5)]
+
+
+def _adapters(names=NAMES):
+    return {n: random_adapter(n, TINY, 8, 16.0, ATTN, seed=i) for i, n in enumerate(names)}
+
+
+def _engine(policy="prefix", **kw):
+    return forkjax.Engine.from_pretrained("tiny-llama", adapters=_adapters(), dtype="float32",
+                                          cache_policy=policy, **{**SMALL, **kw})
+
+
+def _prompt(seed, n=40):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+
+
+def _run_all(engine, jobs):
+    """Submit every (prompt, adapter) at once and step until all finish -> outputs."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    seqs = [engine.add_request(p, a, params) for p, a in jobs]
+    while any(s.status is not Status.FINISHED for s in seqs):
+        engine.step()
+    assert all(s.error is None for s in seqs)
+    return [s.output for s in seqs]
+
+
+@pytest.mark.parametrize("policy", ["prefix", "forkkv"])
+def test_five_adapters_in_two_slots_give_the_outputs_of_seven(policy):
+    """Ten requests over five adapters, all queued at once, on an engine with two adapter slots:
+    each batch holds at most two adapters, the others wait and swap in as slots free up, and
+    every output (float32, greedy) equals the seven-slot engine's."""
+    jobs = [(_prompt(i), NAMES[i % 5]) for i in range(10)]
+    wide, narrow = _engine(policy), _engine(policy, max_loras=3)
+    want = _run_all(wide, jobs)
+    assert _run_all(narrow, jobs) == want
+    s = narrow.stats()
+    assert s["loras_loaded"] == 5 and s["loras_in_slots"] == 2
+    assert s["lora_swaps"] >= 3 and s["lora_swap_bytes"] >= 3 * min(a.nbytes for a in _adapters().values())
+    assert wide.stats()["lora_swaps"] == 0  # every adapter took a slot at start
+    # Swapped out and back, an adapter finds its own cached prefix (keys are content hashes).
+    before = narrow.stats()["base_hit_tokens"]
+    assert _run_all(narrow, [(jobs[0][0], "a0")]) == [want[0]]
+    assert narrow.stats()["base_hit_tokens"] - before >= 32
+
+
+def test_pinned_adapters_keep_their_slots_and_bounds_are_clear_errors():
+    engine = _engine("forkkv", max_loras=3, pinned_adapters=["a4"])  # a4, and one slot for the others
+    slot = engine.slots.slot_by_name["a4"]
+    _run_all(engine, [(_prompt(i), n) for i, n in enumerate(NAMES[:4] * 2)])
+    assert engine.slots.slot_by_name["a4"] == slot and engine.stats()["lora_swaps"] > 0
+    with pytest.raises(ValueError, match="pinned"):  # one slot stays for the unpinned ones
+        engine.load_adapter("a3", _adapters()["a3"], pinned=True)
+    with pytest.raises(ValueError, match="device slots at once"):  # a0 and a1 in one slot
+        engine.add_request(_prompt(0), "a0", fanout_adapters=["a1"])
+    engine.unload_adapter("a2")  # an adapter on the host only
+    assert "a2" not in engine.slots.by_name
+    with pytest.raises(KeyError):
+        engine.add_request(_prompt(0), "a2")
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        _engine(max_cpu_loras=4)
+    bounded = _engine(max_cpu_loras=5)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        bounded.load_adapter("a5", random_adapter("a5", TINY, 8, 16.0, ATTN, seed=5))
+    assert set(bounded.slots.by_name) == set(NAMES)
+    with pytest.raises(ValueError, match="pinned_adapters"):
+        _engine(pinned_adapters=["nope"])
+
+
+def test_unloading_an_adapter_waits_for_requests_that_fan_out_to_it():
+    engine = _engine("forkkv")
+    seq = engine.add_request(_prompt(1), "a0", SamplingParams(max_new_tokens=4, ignore_eos=True),
+                             fanout_adapters=["a1"])
+    assert seq.targets == {engine.slots.key_of("a1"): "a1"}
+    engine.unload_adapter("a1")  # steps until the request that writes a1's residual is done
+    assert seq.status is Status.FINISHED and seq.error is None and len(seq.output) == 4
+    assert "a1" not in engine.slots.by_name and "a1" not in engine.slots.slot_by_name
