@@ -89,3 +89,14 @@ def test_unloading_an_adapter_waits_for_requests_that_fan_out_to_it():
     engine.unload_adapter("a1")  # steps until the request that writes a1's residual is done
     assert seq.status is Status.FINISHED and seq.error is None and len(seq.output) == 4
     assert "a1" not in engine.slots.by_name and "a1" not in engine.slots.slot_by_name
+
+
+def test_requests_on_adapters_in_slots_go_first():
+    """One adapter slot, a0 in it; queued a1, a0, a1, a0: the a0 requests run first and a1 swaps
+    in once, after them (in arrival order a1 would evict a0 and a0 swap back: two swaps)."""
+    engine = _engine(max_loras=2)
+    assert engine.slots.slot_by_name == {"a0": 1}
+    jobs = [(_prompt(i), n) for i, n in enumerate(["a1", "a0", "a1", "a0"])]
+    outs = _run_all(engine, jobs)
+    assert engine.stats()["lora_swaps"] == 1 and engine.slots.slot_by_name == {"a1": 1}
+    assert outs == _run_all(_engine(), jobs)

@@ -61,10 +61,13 @@ def _pages(tokens: int, page_size: int) -> int:
 class Admission:
     def __init__(self, cache: DualRadixCache, inflight: InflightPages, sessions: Sessions,
                  policy: str = "lpm", max_wait_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 in_slots: Callable[[Sequence], bool] = lambda seq: True):
         """policy: "lpm" | "fifo" (checked by EngineConfig). `inflight`: the scheduler's record
-        of the pages running requests will insert (inflight.py), counted as hits."""
+        of the pages running requests will insert (inflight.py), counted as hits.
+        `in_slots(seq)`: whether its adapters are in device slots (those go first)."""
         self.cache, self.inflight, self.sessions = cache, inflight, sessions
+        self.in_slots = in_slots
         self.policy, self.max_wait_s, self.clock = policy, max_wait_s, clock
         self.S = cache.page_size
         self.holds: dict[int, PrefixHold] = {}  # waiting request id -> the prefix it would reuse
@@ -117,7 +120,8 @@ class Admission:
 
     def order(self, waiting) -> list[Sequence]:
         """Waiting requests in the order admission tries them: the urgent ones, the others that
-        may go in now (lpm: by reuse), then those of workflows not admitted yet (by arrival)."""
+        may go in now (those whose adapters are in device slots first; then lpm: by reuse), then
+        those of workflows not admitted yet (by arrival)."""
         urgent, rest, gated = [], [], []
         by_reuse = self.policy == "lpm" and len(waiting) <= LPM_MAX_WAITING
         for seq in waiting:
@@ -127,12 +131,12 @@ class Admission:
             elif session is not None and not session.admitted:
                 gated.append(seq)
             elif not by_reuse:
-                rest.append((seq.arrival, seq.id, seq))
+                rest.append((not self.in_slots(seq), seq.arrival, seq.id, seq))
             else:
                 lens = self.hits(seq)
                 reuse = [max(n, (n // self.S + self.inflight.pages_for(seq, i, n // self.S)) * self.S)
                          for i, n in enumerate(lens)]
-                rest.append((-min(reuse), -reuse[0], seq.arrival, seq.id, seq))
+                rest.append((not self.in_slots(seq), -min(reuse), -reuse[0], seq.arrival, seq.id, seq))
         rest.sort(key=lambda t: t[:-1])
         by_arrival = lambda s: (s.arrival, s.id)  # noqa: E731
         return sorted(urgent, key=by_arrival) + [t[-1] for t in rest] + sorted(gated, key=by_arrival)

@@ -65,7 +65,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.sessions = Sessions(cache, ttl_s=session_ttl_s, clock=clock,
                                  max_tokens=max_model_len, num_agents=lambda: max(1, len(slots.by_name)))
         self.admission = Admission(cache, self.inflight, self.sessions, schedule_policy,
-                                   max_wait_s, clock)
+                                   max_wait_s, clock, in_slots=lambda seq: slots.in_slots(
+                                       [seq.adapter, *seq.targets.values()]))
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._last_kind = "decode"

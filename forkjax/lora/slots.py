@@ -108,6 +108,10 @@ class AdapterSlots:
         self.check(name)
         return BASE_SLOT if name is None else self.slot_by_name.get(name)
 
+    def in_slots(self, names) -> bool:
+        """Whether every adapter of `names` (None: the base model) is in a device slot."""
+        return all(n is None or n in self.slot_by_name for n in names)
+
     def add(self, adapter: LoraAdapter, pinned: bool = False) -> None:
         """Register `adapter` (replacing one of its name, which leaves its slot: the caller has
         drained its requests); ValueError past `max_cpu_loras`, or if no slot would stay unpinned."""
