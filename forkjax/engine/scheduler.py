@@ -63,7 +63,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.max_model_len = max_model_len
         self.inflight = InflightPages(cache.page_size)
         self.sessions = Sessions(cache, ttl_s=session_ttl_s, clock=clock,
-                                 max_tokens=max_model_len, num_agents=lambda: max(1, len(slots.by_name)))
+                                 max_tokens=max_model_len, num_agents=lambda: max(
+                                     1, min(len(slots.by_name), slots.num_slots - 1)))
         self.admission = Admission(cache, self.inflight, self.sessions, schedule_policy,
                                    max_wait_s, clock, in_slots=lambda seq: slots.in_slots(
                                        [seq.adapter, *seq.targets.values()]))

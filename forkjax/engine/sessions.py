@@ -102,8 +102,9 @@ class Sessions:
                  clock: Callable[[], float] = time.monotonic, max_tokens: int = 0,
                  num_agents: Callable[[], int] | None = None):
         """`max_tokens`: the longest request the engine takes, the final length projected when
-        nothing else is known; `num_agents()`: adapters loaded, the paths projected in a pool
-        that keeps one per adapter before any session has ended."""
+        nothing else is known; `num_agents()`: adapters loaded (at most those that fit in device
+        slots at once), the paths projected in a pool that keeps one per adapter before any
+        session has ended."""
         self.cache, self.ttl_s, self.clock = cache, ttl_s, clock
         self.max_tokens = max_tokens
         self.num_agents = num_agents or (lambda: 1)
