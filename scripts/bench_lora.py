@@ -66,11 +66,13 @@ def onehot(x, a, b, gs):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_lora.jsonl")
+    p.add_argument("--tokens", default="64,2048,8192", help="T values, comma-separated (%(default)s)")
+    p.add_argument("--slots", default="1,8", help="N values, comma-separated (%(default)s)")
     args = p.parse_args()
     key = jax.random.key(0)
     rows = []
-    for t in (64, 2048, 8192):
-        for n in (1, 8):
+    for t in map(int, args.tokens.split(",")):
+        for n in map(int, args.slots.split(",")):
             for d_in, d_out in ((4096, 4096), (4096, 1024)):
                 r = 16
                 x = jax.random.normal(key, (t, d_in), jnp.bfloat16)
