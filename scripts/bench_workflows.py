@@ -21,6 +21,10 @@ per policy.
     # The same without the workflows' final lengths (the engine projects them itself)
     PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --workflows 32 --total 96 \\
         --policy forkkv --no-session-hints --out $OUT/nohints
+    # Workflows with agents of their own: 32 slots x 3 agents = 96 adapters in 8 device slots
+    # (swapped in as turns need them; fan-out names the workflow's group)
+    PYTHONPATH=. python3 scripts/bench_workflows.py --pattern react --workflows 32 --total 3x \
+        --distinct-agents --policy prefix,forkkv+fanout --context 4096 --gen 64 --obs 64 --out $OUT/distinct
     # Model-free replay on a CPU: the real scheduler and cache at the 8B geometry, a virtual
     # clock and H200 step costs (forkjax/workflows/replay.py); GPU defaults (16e9 KV bytes,
     # max batch 64, 2,048 prefill tokens a step)
@@ -113,6 +117,8 @@ FIXED_DEFAULTS = dict(context=4096, gen=64, obs=64, instruction=8)
 # The host tier's counters (engine stats; zero without --host-kv-bytes)
 HOST_KEYS = ("host_hit_tokens", "host_bytes_loaded", "host_bytes_stored", "host_bytes_used",
              "host_load_stall_s")
+# Adapter swapping's (engine stats; zero while every adapter has a device slot)
+LORA_KEYS = ("lora_swaps", "lora_swap_bytes", "lora_swap_wait_s")
 
 
 
@@ -148,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agents", type=int, default=3, help="ReAct and parallel agents")
     p.add_argument("--mappers", type=int, default=4, help="MapReduce mappers (plus one reducer)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
+    p.add_argument("--distinct-agents", action="store_true",
+                   help="every workflow slot brings agents of its own (N slots x agents adapters: "
+                        "workflow i runs group i %% N, the largest N of the sweep); fan-out names the group")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="device adapter slots, the base model's included (default: one per agent, at "
+                        "most 8 with --distinct-agents; more adapters swap in)")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="(64 on a GPU and with --replay; the engine's default, 16, on a CPU)")
@@ -215,6 +227,15 @@ def check_args(args) -> tuple[list[str], list[int]]:
     args.kv_cache_bytes = int(args.kv_cache_bytes)
     if args.kv_cache_bytes < 1:
         raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
+    if args.distinct_agents and (args.replay or args.http):
+        raise ValueError("--distinct-agents: in process only (the replay has no adapter slots; "
+                         "the HTTP server loads its own adapters)")
+    if args.max_loras is not None and args.max_loras < 1:
+        raise ValueError(f"--max-loras={args.max_loras}: expected >= 1")
+    args.agents_per_workflow = len(agent_names(args.pattern, agents=args.agents, mappers=args.mappers))
+    args.groups = max(counts) if args.distinct_agents else 0
+    if args.distinct_agents and args.max_loras is None:
+        args.max_loras = min(8, args.groups * args.agents_per_workflow + 1)
     return policies, counts
 
 
@@ -261,7 +282,7 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
     engine = forkjax.Engine.from_pretrained(
         args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
-        max_loras=len(names) + 1, residual_fanout=policy == "forkkv+fanout",
+        max_loras=args.max_loras or len(names) + 1, residual_fanout=policy == "forkkv+fanout",
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
         max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,
@@ -287,7 +308,16 @@ def build_replay(args, policy: str, names: list[str], max_model_len: int):
 
 def workflow_shape(args) -> dict:
     """The shape keywords of `make_workflows` and `workflow_source`."""
-    return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers)
+    return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers,
+                groups=args.groups)
+
+
+def all_agent_names(args) -> list[str]:
+    """The adapters the engine loads: one workflow's agents, or every group's (--distinct-agents)."""
+    shape = dict(agents=args.agents, mappers=args.mappers)
+    if not args.groups:
+        return agent_names(args.pattern, **shape)
+    return [n for g in range(args.groups) for n in agent_names(args.pattern, **shape, group=g)]
 
 
 def per_agent_kv(runner, args, policy: str, names: list[str], profile, tokens) -> float:
@@ -296,7 +326,7 @@ def per_agent_kv(runner, args, policy: str, names: list[str], profile, tokens) -
     runner.fresh()
     shape = workflow_shape(args)
     _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
-    return (one["base_bytes_used"] + one["residual_bytes_used"]) / len(names)
+    return (one["base_bytes_used"] + one["residual_bytes_used"]) / args.agents_per_workflow
 
 
 def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
@@ -327,7 +357,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions", *HOST_KEYS)}, **steps}
+                                         "preemptions", *HOST_KEYS, *LORA_KEYS)}, **steps}
 
 
 def git_commit() -> str | None:
@@ -350,7 +380,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     profile = get_profile(args.profile, **fixed)
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
     tokens = TokenSampler.for_model(cfg)
-    names = agent_names(args.pattern, agents=args.agents, mappers=args.mappers)
+    names = all_agent_names(args)
     longest = longest_request(args.pattern, profile, agents=args.agents, rounds=args.rounds,
                               mappers=args.mappers)
     max_model_len = -(-longest // 1024) * 1024
@@ -358,14 +388,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"the longest request ({longest} tokens) exceeds {args.model}'s context of "
                          f"{cfg.max_position_embeddings}")
     meta = {**{k: v for k, v in vars(args).items() if k != "totals"},
-            "agents_per_workflow": len(names), "max_model_len": max_model_len,
+            "max_model_len": max_model_len,
             "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "git_commit": git_commit(),
             "command": shlex.join(["scripts/bench_workflows.py", *argv])}
     single = len(policies) == 1 and len(counts) == 1
     shown = ("context", "gen", "obs") if args.pattern == "react" else ("context", "gen")
     lengths = ", ".join(f"{k} {fixed[k]}" for k in shown) if fixed else f"{args.profile} lengths"
-    title = f"{'replay: ' if args.replay else ''}{args.model} {args.pattern}, {len(names)} agents, {lengths}"
+    title = (f"{'replay: ' if args.replay else ''}{args.model} {args.pattern}, {args.agents_per_workflow} agents"
+             f"{f' x {args.groups} groups' if args.groups else ''}, {lengths}")
     rows = []
     for policy in policies:
         if args.replay:

@@ -30,7 +30,8 @@
 #   parallel   the same with parallel rounds (3 agents x 4 rounds    parallel/, ...
 #           answering the same history at once, 4k context, 64 tokens)
 #           (react, mapreduce, parallel: $WF_HOST bytes of host tier, e.g. 64e9, into
-#           <stage>_host/; $WF_TOOL seconds of tool latency, ReAct only, into <stage>_tool<s>/)
+#           <stage>_host/; $WF_TOOL seconds of tool latency, ReAct only, into <stage>_tool<s>/;
+#           WF_DISTINCT=1: every workflow slot's own agents, into <stage>_distinct/)
 #
 # Workflow results record $FORKJAX_COMMIT (pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -115,10 +116,10 @@ PY
         policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
         [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" \
             || shape="--sweep ${WF_COUNTS:-16}"
-        name=$stage${WF_HOST:+_host}${WF_TOOL:+_tool$WF_TOOL}
+        name=$stage${WF_HOST:+_host}${WF_TOOL:+_tool$WF_TOOL}${WF_DISTINCT:+_distinct}
         timeout 580 python3 scripts/bench_workflows.py --pattern "$stage" $shape --context 4096 \
             --gen 64 --total "${WF_TOTAL:-3x}" --policy "$policies" --out "$OUT/$name" \
-            ${WF_HOST:+--host-kv-bytes $WF_HOST} ${WF_TOOL:+--tool-latency $WF_TOOL} \
+            ${WF_HOST:+--host-kv-bytes $WF_HOST} ${WF_TOOL:+--tool-latency $WF_TOOL} ${WF_DISTINCT:+--distinct-agents} \
             > "$OUT/$name.log" 2>&1
         echo "bench_workflows $name: rc=$?"
         tr '\r' '\n' < "$OUT/$name.log" | grep -E "^$stage|Error" ;;

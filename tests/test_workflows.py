@@ -463,3 +463,17 @@ def test_bench_host_tier_counters_reach_the_results(tmp_path):
     assert row["host_kv_bytes"] == 64_000_000 and row["host_bytes_stored"] > 0
     assert row["host_bytes_used"] <= 64_000_000 and row["recompute_ratio"] == 1.0
     assert json.loads((tmp_path / "results.json").read_text())["host_bytes_stored"] == row["host_bytes_stored"]
+
+
+def test_distinct_agents_swap_through_fewer_slots(tmp_path):
+    """--distinct-agents: 2 workflow slots x 3 agents = 6 adapters on 3 device slots (a turn that
+    fans out to its group needs all three). Every
+    workflow finishes, adapters swap in as turns need them, and no prompt is computed twice."""
+    row, = bench_workflows().main(["--model", "tiny-llama", "--workflows", "2", "--total", "4",
+                                   "--distinct-agents", "--max-loras", "4", "--policy", "forkkv+fanout",
+                                   "--context", "128", "--gen", "4", "--obs", "4", "--rounds", "2",
+                                   "--no-warmup", "--out", str(tmp_path)])
+    assert row["groups"] == 2 and row["max_loras"] == 4 and row["lora_swaps"] > 0
+    assert row["recompute_ratio"] == 1.0 and row["requests"] == 4 * 3 * 2
+    with pytest.raises(ValueError, match="--distinct-agents"):
+        bench_workflows().main(["--model", "tiny-llama", "--distinct-agents", "--replay", "--out", str(tmp_path)])

@@ -19,30 +19,34 @@ from forkjax.workflows.results import RequestRecord, RunResult
 PATTERNS = ("react", "mapreduce", "parallel")
 
 
-def agent_names(pattern: str, *, agents: int = 3, mappers: int = 4) -> list[str]:
+def agent_names(pattern: str, *, agents: int = 3, mappers: int = 4, group: int | None = None) -> list[str]:
     """Adapter names of one workflow's agents: ReAct and parallel agent0..; MapReduce mapper0..
-    + reducer."""
+    + reducer; with `group` g (workflows with agents of their own), suffixed `.g<g>`."""
     if pattern in ("react", "parallel"):
-        return [f"agent{i}" for i in range(agents)]
-    if pattern == "mapreduce":
-        return [f"mapper{i}" for i in range(mappers)] + ["reducer"]
-    raise ValueError(f"pattern {pattern!r}: expected one of {PATTERNS}")
+        names = [f"agent{i}" for i in range(agents)]
+    elif pattern == "mapreduce":
+        names = [f"mapper{i}" for i in range(mappers)] + ["reducer"]
+    else:
+        raise ValueError(f"pattern {pattern!r}: expected one of {PATTERNS}")
+    return names if group is None else [f"{n}.g{group}" for n in names]
 
 
 def workflow_maker(pattern: str, profile: Profile, tokens: TokenSampler, *, seed: int = 0,
-                   agents: int = 3, rounds: int = 4, mappers: int = 4,
+                   agents: int = 3, rounds: int = 4, mappers: int = 4, groups: int = 0,
                    tool_latency: float = 0.0) -> Callable[[int], Workflow]:
     """i -> workflow `wf{i}` of one shape, drawn from Generator((seed, i)): workflow i is the
-    same however many run and whenever it starts."""
-    names = agent_names(pattern, agents=agents, mappers=mappers)
+    same however many run and whenever it starts. `groups` G > 0: workflow i's agents are
+    group i % G's own adapters (`agent_names(..., group=i % G)`)."""
+    named = lambda i: agent_names(pattern, agents=agents, mappers=mappers,  # noqa: E731
+                                  group=i % groups if groups else None)
     rng = lambda i: np.random.default_rng((seed, i))  # noqa: E731
     if pattern == "react":
-        return lambda i: ReActWorkflow(i, names, rounds, profile, tokens, rng(i), tool_latency)
+        return lambda i: ReActWorkflow(i, named(i), rounds, profile, tokens, rng(i), tool_latency)
     if tool_latency:
         raise ValueError("tool_latency applies to ReAct only (the other patterns call no tools)")
     if pattern == "parallel":
-        return lambda i: ParallelWorkflow(i, names, rounds, profile, tokens, rng(i))
-    return lambda i: MapReduceWorkflow(i, names[:-1], names[-1], profile, tokens, rng(i))
+        return lambda i: ParallelWorkflow(i, named(i), rounds, profile, tokens, rng(i))
+    return lambda i: MapReduceWorkflow(i, named(i)[:-1], named(i)[-1], profile, tokens, rng(i))
 
 
 def make_workflows(pattern: str, n: int, profile: Profile, tokens: TokenSampler, **shape) -> list[Workflow]:
