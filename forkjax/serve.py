@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a request's fanout_adapters overrides it)")
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of --kv-cache-bytes for the residual pool, in (0, 1) (default: one "
-                        "residual copy per base token per adapter loaded at start)")
+                        "residual copy per base token per adapter that fits in a device slot)")
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
                    help="admission order: lpm serves cached prefixes first, with a bounded wait "
                         "(%(default)s)")

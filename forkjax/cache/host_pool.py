@@ -7,8 +7,9 @@ pinned host memory (jax memory kind `pinned_host`), and copied into device pages
 Pages move in blocks: a store of n pages cuts them into blocks of n's binary digits (13 pages:
 8, 4 and 1), gathers each into one contiguous device buffer (a jitted gather) and copies it to
 the host in one transfer; a block stays as it is until every page of it is freed. Block sizes
-are powers of two, so the programs are few and no host byte is padding. A load copies each block it needs back whole, then scatters the pages
-it wants into their device pages (a jitted scatter that donates the pool). One large copy each
+are powers of two, so the programs are few and no host byte is padding. A load copies each
+block it needs back whole, then scatters the pages it wants into their device pages (a jitted
+scatter that donates the pool). One large copy each
 way is what runs near the link's rate: on the H200 a 1 GB `pinned_host` array moves at ~49 GB/s
 each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
 

@@ -92,9 +92,14 @@ def reserve_pinned_host(host_kv_bytes: int | None) -> None:
     jax starts its GPU client (the command-line entry points do, as they parse); a limit set in
     the environment stays as it is."""
     if host_kv_bytes and PINNED_HOST_ENV not in os.environ:
-        gib = math.ceil(host_kv_bytes / PINNED_HOST_SHARE / (1 << 30))
+        gib = _pinned_gib(host_kv_bytes)
         if gib > PINNED_HOST_DEFAULT_GIB:
             os.environ[PINNED_HOST_ENV] = str(gib)
+
+
+def _pinned_gib(host_kv_bytes: int) -> int:
+    """The pinned host limit, in GiB, whose PINNED_HOST_SHARE holds `host_kv_bytes`."""
+    return math.ceil(host_kv_bytes / PINNED_HOST_SHARE / (1 << 30))
 
 
 def default_host_kv_bytes(on_gpu: bool, kv_bytes: int, available: int, pinned_limit: int) -> int:
@@ -111,12 +116,10 @@ def host_kv_bytes(requested: int | None, on_gpu: bool, kv_bytes: int) -> int:
     PINNED_HOST_SHARE of the pinned allocator's limit is an error: a copy would fail mid-run."""
     if requested is None:
         return default_host_kv_bytes(on_gpu, kv_bytes, host_memory_available(), pinned_host_limit())
-    pinned = int(PINNED_HOST_SHARE * pinned_host_limit())
-    if on_gpu and requested > pinned:
-        need = math.ceil(requested / PINNED_HOST_SHARE / (1 << 30))
+    if on_gpu and requested > int(PINNED_HOST_SHARE * pinned_host_limit()):
         raise ValueError(f"host_kv_bytes={requested}: past {PINNED_HOST_SHARE:g} of XLA's pinned host memory "
-                         f"limit ({pinned_host_limit() >> 30} GiB); set {PINNED_HOST_ENV}={need} before "
-                         "jax starts, or ask for less")
+                         f"limit ({pinned_host_limit() >> 30} GiB); set {PINNED_HOST_ENV}="
+                         f"{_pinned_gib(requested)} before jax starts, or ask for less")
     return requested
 
 
