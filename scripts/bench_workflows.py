@@ -61,8 +61,8 @@ forkjax/workflows/minimal.py), `recompute_ratio` = prefill_tokens_computed / tha
 
 --replay runs the same drivers on `ReplayEngine` (forkjax/workflows/replay.py): the real
 scheduler and cache at the model's full geometry with no weights, on a virtual clock whose steps
-cost what H200 measurements say; its results say `"replay": true` and carry the cost model's
-constants (`step_cost`). Its times (tasks/s, latencies) are modelled seconds; `wall_s` is real.
+cost what H200 measurements say (with --host-kv-bytes, the host tier's copies too); its results
+say `"replay": true` and carry the cost model's constants (`step_cost`). Its times (tasks/s, latencies) are modelled seconds; `wall_s` is real.
 
 One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
 before each run); its warm-up compiles every shape: `compile_s` is that warm-up's time, split in
@@ -204,9 +204,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
                          "not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
-    if args.host_kv_bytes < 0 or (args.host_kv_bytes and args.replay):
-        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: bytes >= 0, not with --replay "
-                         "(the replay has no step cost for host copies)")
+    if args.host_kv_bytes < 0:
+        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: expected bytes >= 0")
     args.host_kv_bytes = int(args.host_kv_bytes)
     memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
@@ -301,7 +300,8 @@ def build_replay(args, policy: str, names: list[str], max_model_len: int):
                           max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
                           max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
                           residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
-                          schedule_policy=args.schedule_policy, seed=args.seed)
+                          schedule_policy=args.schedule_policy, host_kv_bytes=args.host_kv_bytes,
+                          seed=args.seed)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
                         **engine.describe())
 

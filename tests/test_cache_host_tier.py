@@ -1,6 +1,8 @@
 """A radix tree with a host tier (radix_tree.py, host_pool.py): evicted leaves are written back
 to the host and stay matchable through `host_continuation`, `load` brings them back into fresh
-device pages, the host keeps its own LRU, and an insert that meets a host node supersedes it.
+device pages and keeps the host copy (the next eviction copies nothing), the host drops the
+copies of device nodes before its own LRU leaves, and an insert that meets a host node
+supersedes it.
 The data check runs the host pool's copies on a small device pool whose pages hold the tokens
 they cache: after any mix of operations every device node's pages hold its own tokens."""
 
@@ -60,8 +62,27 @@ def test_eviction_writes_back_and_a_load_brings_the_path_back():
     tree.check()
     assert tree.load(host) == 1
     n, pages, _, host = _match(tree, range(1, 13))
-    assert n == 12 and len(pages) == 3 and not host and tree.host_size() == 0
-    assert tree.loaded_pages == 3 and tree.host.num_pages == 0
+    assert n == 12 and len(pages) == 3 and not host and tree.host_size() == 3
+    assert tree.loaded_pages == 3 and tree.host.num_pages == 3  # the host copy stays
+    tree.check()
+    stored = tree.host.bytes_stored
+    assert tree.evict(3) == 3 and tree.host.bytes_stored == stored  # so leaving copies nothing
+    assert tree.load(_match(tree, range(1, 13))[3]) == 1 and _match(tree, range(1, 13))[0] == 12
+    tree.check()
+
+
+def test_the_host_drops_device_nodes_copies_before_its_own_leaves():
+    tree = _tree(host_pages=8)
+    _insert(tree, range(1, 13))
+    _insert(tree, range(100, 112))
+    tree.evict(6)  # both paths on the host: 3 pages each, blocks of 2 and 1
+    tree.load(_match(tree, range(1, 13))[3])  # the first back on the device, its copy kept
+    assert tree.host_size() == 6
+    _insert(tree, range(200, 212))
+    _match(tree, range(1, 13))  # the third path is now the least recent on the device
+    tree.evict(3)  # it needs 3 host pages: the first path's copy goes, not the second path
+    assert _match(tree, range(1, 13))[0] == 12 and _match(tree, range(100, 112))[3]
+    assert tree.host_size() == 6 and _match(tree, range(1, 13))[2].host is None
     tree.check()
 
 
@@ -76,6 +97,32 @@ def test_the_host_drops_its_least_recent_leaves_for_room():
     tree.evict(3)  # needs 4 more host pages: the first path, least recent, is dropped
     assert tree.host_size() == 6
     assert not _match(tree, range(1, 13))[3] and _match(tree, range(100, 112))[3]
+    tree.check()
+
+
+def test_a_retired_path_leaves_the_host_and_goes_first_without_a_copy():
+    """`retire`: a path whose workflow ended loses its host copies at once (host nodes, and the
+    backup of a node loaded back) and leaves the device before older live paths, with no
+    write-back; the prefix another path still holds stays; a match revives a retired node."""
+    tree = _tree()
+    shared, _ = _insert(tree, range(1, 9))  # 2 pages, a prefix two paths share
+    tree.inc_hold_ref(shared)  # another session holds it
+    old, _ = _insert(tree, [*range(1, 9), *range(50, 58)])
+    done, _ = _insert(tree, [*range(1, 9), *range(100, 112)])  # the workflow that ends
+    assert tree.evict(2) == 2 and tree.host_size() == 2 and not old.on_device  # least recent
+    tree.load(_match(tree, [*range(1, 9), *range(50, 58)])[3])  # `old` back, its copy kept
+    retired, _ = _insert(tree, [*range(1, 9), *range(200, 208)])
+    assert tree.evict(3) == 3 and not done.on_device and tree.host_size() == 5
+    tree.retire(done)  # a host node: dropped with its copy
+    tree.retire(retired)
+    assert not done.alive and shared.alive and not shared.retired and retired.retired
+    stored = tree.host.bytes_stored
+    assert tree.evict(1) == 2 and not retired.alive  # before `old`, which is older
+    assert tree.host.bytes_stored == stored and old.on_device and tree.host_size() == 2
+    tree.retire(old)  # loaded back: its backup goes
+    assert tree.host_size() == 0 and old.on_device and old.retired
+    assert _match(tree, [*range(1, 9), *range(50, 58)])[0] == 16 and not old.retired
+    tree.dec_hold_ref(shared)
     tree.check()
 
 
@@ -135,7 +182,7 @@ def test_random_operations_keep_every_page_holding_its_tokens(seed):
         tree.check()
         k, v = np.asarray(pool[0])[0, 0, :, :, 0], np.asarray(pool[1])[0, 0, :, :, 0]
         for node in tree._nodes():
-            if node.host is None:
+            if node.on_device:
                 first = node.start // S
                 path = np.concatenate([_path_tokens(node), np.full(S, -1)])  # [end + S]
                 for j, p in enumerate(node.pages):

@@ -210,28 +210,35 @@ def test_with_a_host_tier_a_pausing_workflow_reserves_only_its_live_path_on_the_
     assert s1["preemptions"] == 0 and s1["workflows_suspended"] == 0
 
 
-def test_session_next_s_loads_an_idle_sessions_pages_back_before_its_next_request():
+def test_session_next_s_loads_the_next_agents_path_back_before_its_next_request():
     """A session's request ends saying its next comes in 1 s (`session_next_s`); its held path
-    goes to the host under pressure and is loaded back PREFETCH_LEAD_S before that time."""
+    goes to the host under pressure and is loaded back PREFETCH_LEAD_S before that time, once
+    the session has shown which agent follows (here a0 follows a0): after its first request
+    there is no guess, and nothing is loaded ahead."""
     cache = DualRadixCache("prefix", 16, base_pages=32, res_pages=0, base_page_bytes=1024,
                            host_kv_bytes=1 << 20)
     now = [0.0]
     sessions = Sessions(cache, clock=lambda: now[0], max_tokens=512)
     tokens = np.asarray(_prompt(5, 160), np.int32)
-    seq = Sequence(Request(tuple(tokens), "a0", "a0", SamplingParams(max_new_tokens=0),
-                           session_id="w", session_next_s=1.0))
-    seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), 0.0
-    sessions.added(seq).admitted = True
-    handle = cache.begin(tokens, "a0")  # the request ran: its pages enter the tree
-    handle.reserve(len(tokens))
-    handle.commit(tokens)
-    handle.release()
-    sessions.ended(seq, tokens)  # the session holds its path, idle until its next request
-    assert cache.evict(10) == 10 and cache.match(tokens, "a0").base_len == 0  # on the host now
-    now[0] = 1.0 - PREFETCH_LEAD_S - 0.01
-    sessions.prefetch()
-    assert cache.match(tokens, "a0").base_len == 0
-    now[0] = 1.0 - PREFETCH_LEAD_S
-    sessions.prefetch()
-    assert cache.match(tokens, "a0").base_len == 160 and cache.stats()["host_bytes_loaded"] == 10 * 1024
+    for turn in range(2):
+        now[0] = 2.0 * turn
+        seq = Sequence(Request(tuple(tokens), "a0", "a0", SamplingParams(max_new_tokens=0),
+                               session_id="w", session_next_s=1.0))
+        seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), now[0]
+        sessions.added(seq).admitted = True
+        handle = cache.begin(tokens, "a0")  # the request ran: its pages enter the tree
+        handle.reserve(len(tokens))
+        handle.commit(tokens)
+        handle.release()
+        sessions.ended(seq, tokens)  # the session holds its path, idle until its next request
+        assert cache.evict(10) == 10 and cache.match(tokens, "a0").base_len == 0  # on the host now
+        now[0] += 1.0 - PREFETCH_LEAD_S - 0.01
+        sessions.prefetch()
+        assert cache.match(tokens, "a0").base_len == 0
+        now[0] += 0.01
+        sessions.prefetch()
+        assert cache.match(tokens, "a0").base_len == 160 * turn
+    # Loaded when the second request began and ahead of the third; stored once: a path loaded
+    # back keeps its host copy, so evicting it again copies nothing.
+    assert cache.stats()["host_bytes_loaded"] == 20 * 1024 and cache.stats()["host_bytes_stored"] == 10 * 1024
     cache.check()

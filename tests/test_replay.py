@@ -1,6 +1,7 @@
-"""The model-free replay (forkjax/workflows/replay.py): its step costs reproduce the H200 rows
-they come from, it runs on virtual time, and at Llama-3.1-8B's geometry (16 GB of K/V, max batch
-64) 32 ReAct workflows keep at least the throughput of 16 under every cache policy."""
+"""The model-free replay (forkjax/workflows/replay.py): its step and host copy costs reproduce
+the H200 rows they come from, it runs on virtual time, and at Llama-3.1-8B's geometry (16 GB of
+K/V, max batch 64) 32 ReAct workflows keep at least the throughput of 16 under every cache
+policy; with 1 s tool calls a 64 GB host tier makes `prefix` 1.5 times as fast at 32."""
 
 import time
 
@@ -11,7 +12,8 @@ from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import TokenSampler, agent_names, fixed_profile, make_workflows
 from forkjax.workflows.driver import run_in_process
-from forkjax.workflows.replay import DECODE_ROWS, DECODE_TOKENS, PREFILL, ReplayEngine
+from forkjax.workflows.replay import (DECODE_ROWS, DECODE_TOKENS, HOST_COPY_ROWS, PREFILL, ReplayEngine,
+                                      VirtualClock)
 
 MODEL = "llama3.1-8b-random"
 TOKENS = TokenSampler.for_model(ModelConfig.from_hf(BUILTIN_CONFIGS[MODEL]))
@@ -36,6 +38,26 @@ def test_step_costs_reproduce_their_h200_rows():
     # Context is read at decode: a longer one costs more, a prefix pool reads no residual.
     assert cost.step_s(_Batch("decode", [8192])) > cost.step_s(_Batch("decode", [1024]))
     assert ReplayEngine(MODEL, ["a"], cache_policy="prefix").cost.kv_bytes_per_token < cost.kv_bytes_per_token
+
+
+def test_host_copy_costs_reproduce_their_h200_rows():
+    cost = ReplayEngine(MODEL, ["a"]).cost
+    for nbytes, store_s, load_s in HOST_COPY_ROWS:
+        assert cost.copy_s([("store", nbytes)]) == pytest.approx(store_s)
+        assert cost.copy_s([("load", nbytes)]) == pytest.approx(load_s)
+    assert cost.copy_s([("store", 1 << 26)] * 2) > cost.copy_s([("store", 1 << 27)])  # each copy's fixed part
+    assert cost.copy_s([]) == 0
+
+
+def test_the_virtual_clock_reaches_a_time_a_rounding_error_away():
+    """The driver sleeps until a workflow's next call, measured from its start t0: here
+    t + (wake - (t - t0)) - t0 falls short of wake, and a float addition of what remains
+    would leave t as it is."""
+    clock, t0, wake = VirtualClock(), 6.183689966753317, 125.55317068122027
+    clock.t = 131.4368606479736
+    for _ in range(4):
+        clock.sleep(max(0.0, wake - (clock() - t0)))
+    assert clock() - t0 >= wake
 
 
 def test_replay_runs_on_virtual_time():
@@ -88,3 +110,27 @@ def test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s(tmp_path):
     assert by[64]["workflows_running_peak"] == by[32]["workflows_running_peak"]
     assert by[64]["recompute_ratio"] <= 1.001
     assert by[64]["tasks_per_s_sustained"] >= 0.95 * by[32]["tasks_per_s_sustained"]
+
+
+def test_replay_a_host_tier_runs_32_pausing_prefix_workflows_half_again_as_fast(tmp_path):
+    """ReAct with 1 s tool calls under `prefix`: each agent keeps its own copy of the history,
+    so 16 GB of K/V holds 7 of 32 workflows with all their paths. With a 64 GB host tier, a
+    workflow in a tool call keeps one path on the device, its idle agents' paths wait on the
+    host: three times as many run, at least 1.5 times the tasks/s, nothing recomputed, each
+    path stored about once and loaded about once a turn. Without tool calls the tier moves
+    nothing and changes nothing."""
+    def run(*flags):
+        rows = bench_workflows().main([*REACT, "--sweep", "32", "--total", "3x", "--policy", "prefix",
+                                       "--out", str(tmp_path), *flags])
+        return rows[0]
+    plain, tier = run("--tool-latency", "1"), run("--tool-latency", "1", "--host-kv-bytes", "64e9")
+    assert tier["tasks_per_s_sustained"] >= 1.5 * plain["tasks_per_s_sustained"], (tier, plain)
+    assert tier["workflows_running_peak"] >= 3 * plain["workflows_running_peak"]
+    assert tier["recompute_ratio"] <= 1.001 and plain["recompute_ratio"] <= 1.05
+    path = tier["per_agent_kv_bytes"]  # one agent's path of one workflow
+    turns = tier["requests"]
+    assert tier["host_bytes_stored"] < 1.5 * tier["total"] * 3 * path
+    assert tier["host_bytes_loaded"] < 1.2 * turns * path
+    busy, unhosted = run("--host-kv-bytes", "64e9"), run()
+    assert busy["host_bytes_stored"] == busy["host_bytes_loaded"] == 0
+    assert busy["tasks_per_s"] == unhosted["tasks_per_s"]

@@ -42,6 +42,14 @@ class PrefixHold:
         self._versions = self.cache.versions  # the match may split nodes, never version them
         return True
 
+    def retire(self) -> None:
+        """Release, and tell the trees that nothing will ask for these paths again (their
+        workflow ended: `RadixTree.retire`)."""
+        nodes = self._nodes
+        self.release()
+        for tree, node in nodes:
+            tree.retire(node)
+
     def release(self) -> None:
         for tree, node in self._nodes:
             tree.dec_hold_ref(node)

@@ -180,6 +180,13 @@ class HostPagePool:
         self._queue.clear()
         return k, v
 
+    def drop_queue(self) -> list[tuple[str, int]]:
+        """Forget the queued copies; -> [(op, bytes)] of each, "store" or "load" (a load moves
+        its block whole). A model-free replay times the copies by these instead of running them."""
+        copies = [(op, block.nbytes) for op, block, _ in self._queue]
+        self._queue.clear()
+        return copies
+
     def wait(self) -> None:
         """Block until every store that has run has landed on the host (benchmarks)."""
         jax.block_until_ready([(b.k, b.v) for b in self._blocks.values() if b.k is not None])

@@ -1,6 +1,6 @@
 """The host-tier half of RadixTree (radix_tree.py's docstring says what the tier does): write-back
 of evicted leaves to a HostPagePool (host_pool.py), the host's own LRU, and loading host nodes
-back into device pages. Kept apart so that the device tree reads as it did without a tier; the
+back into device pages (their host copies stay as backups). Kept apart so that the device tree reads as it did without a tier; the
 counters it moves are the tree's."""
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ class HostTier:
         self.host = host
 
     def _write_back(self, node: TreeNode) -> int:
-        """Move a device leaf's own pages to the host (dropping it if the host has no room)."""
+        """Move a device leaf's own pages to the host (dropping it if the host has no room); one
+        with a backup just leaves the device."""
         own = node.own_pages
-        if own and not self._make_host_room(self.host.store_bytes(own)):
-            return self._delete_leaf(node)
-        ids = self.host.store(node.pages[node.shares_first:]) if own else NO_HOST_PAGES
+        if node.host is None:
+            if own and not self._make_host_room(self.host.store_bytes(own)):
+                return self._delete_leaf(node)
+            node.host = self.host.store(node.pages[node.shares_first:]) if own else NO_HOST_PAGES
+            self.host_pages += own
         self._free_device(node)
-        node.host, node.pages = ids, EMPTY
-        self.host_pages += own
+        node.pages = EMPTY
         if not node.children:
             self._push_host(node)
         parent = node.parent
@@ -39,13 +41,25 @@ class HostTier:
         return own
 
     def _make_host_room(self, nbytes: int) -> bool:
-        """Drop this tree's least recently used host leaves until `nbytes` are free."""
+        """Drop this tree's host copies until `nbytes` are free: backups of device nodes first,
+        least recently loaded first, then host leaves, least recently used first."""
         budget = self.host.budget
+        while budget.free < nbytes and self._backup_heap:
+            node = heapq.heappop(self._backup_heap)[2]
+            if node.alive and node.on_device:
+                self._drop_backup(node)
         while budget.free < nbytes and self._host_heap:
             last_access, _, node = heapq.heappop(self._host_heap)
-            if node.alive and node.host is not None and not node.children and node.last_access == last_access:
+            if node.alive and not node.on_device and not node.children and node.last_access == last_access:
                 self._drop_host_subtree(node)
         return budget.free >= nbytes
+
+    def _drop_backup(self, node: TreeNode) -> None:
+        """Forget a device node's host copy, if it has one."""
+        if node.host is not None:
+            self.host.free(node.host)
+            self.host_pages -= node.own_pages
+            node.host = None
 
     def _drop_host_subtree(self, top: TreeNode) -> None:
         """Forget a host node and its descendants (all on the host)."""
@@ -65,7 +79,7 @@ class HostTier:
         out, pos = [], node.end
         while pos < len(key):
             child = node.children.get(int(key[pos]))
-            if child is None or child.host is None:
+            if child is None or child.on_device:
                 break
             out.append(child)
             n = common_prefix_len(child.key, key[pos:])
@@ -104,15 +118,15 @@ class HostTier:
         return loaded
 
     def _bring_back(self, node: TreeNode, pages: np.ndarray) -> None:
+        """Copy a host node's pages into device `pages`; its host copy stays, a backup."""
         own = node.own_pages
         self.host.load(node.host, pages)
-        self.host.free(node.host)
         if node.shares_first:  # the parent's last page, which is on the device
             first = node.parent.pages[-1:]
             self.allocator.inc_ref(first)
             pages = np.concatenate([first, pages])
-        node.host, node.pages = None, pages
-        self.host_pages -= own
+        node.pages = pages
+        self._push_backup(node)
         self.loaded_pages += own
         self._evictable += own
         self._held += own if node.hold_ref else 0
@@ -122,9 +136,11 @@ class HostTier:
             self._push(node)
 
     def drop_host(self) -> None:
-        """Forget every host node."""
-        tops = [c for n in [*self.roots.values(), *self._nodes()] if n.host is None
-                for c in n.children.values() if c.host is not None]
+        """Forget every host copy: host nodes and backups."""
+        device = [n for n in self._nodes() if n.on_device]
+        for node in device:
+            self._drop_backup(node)
+        tops = [c for n in [*self.roots.values(), *device] for c in n.children.values() if not c.on_device]
         for node in tops:
             self._drop_host_subtree(node)
 
@@ -133,3 +149,6 @@ class HostTier:
 
     def _push_host(self, node: TreeNode) -> None:
         heapq.heappush(self._host_heap, (node.last_access, next(self._tiebreak), node))
+
+    def _push_backup(self, node: TreeNode) -> None:
+        heapq.heappush(self._backup_heap, (node.last_access, next(self._tiebreak), node))

@@ -17,8 +17,9 @@ dual_cache.py). A waiting request holds the prefix it will hit, the engine the p
 session that ran recently (hold.py).
 
 Host tier (`attach_host`): an evicted leaf's pages are written back to the host pool instead of
-dropped, and the node stays in the tree on the host (tree_node.py); the host keeps its own LRU
-of host leaves, dropped when a write-back needs their room. A match stops at host nodes;
+dropped, and the node stays in the tree on the host (tree_node.py); a node loaded back keeps
+its host copy, so its next eviction copies nothing. When a write-back needs room the host drops
+the copies of nodes on the device first, then host leaves, least recently used first. A match stops at host nodes;
 `host_continuation` names the host nodes that would extend it and `load` brings them back (the
 copies are the host pool's to run). An insert that meets a host node drops it and its subtree:
 the new pages supersede it. Counters (evictable, held, protected, ns_pages) count device pages.
@@ -54,9 +55,10 @@ class RadixTree(HostTier):
         self._heap: list = []  # (held, last_access, tiebreak, node) of candidate device leaves
         self._tiebreak = itertools.count()
         self.host = None  # a HostPagePool once attach_host gives this tree a host tier
-        self.host_pages = 0  # own pages of host nodes
+        self.host_pages = 0  # own pages with a host copy (host nodes' and backups')
         self.loaded_pages = 0  # pages brought back from the host, ever
         self._host_heap: list = []  # (last_access, tiebreak, node) of candidate host leaves
+        self._backup_heap: list = []  # (last_access, tiebreak, node) of device nodes with a host copy
 
     @classmethod
     def for_test(cls, page_size: int = 4, num_pages: int = 64) -> RadixTree:
@@ -134,7 +136,7 @@ class RadixTree(HostTier):
         pos = node.end
         while pos < len(key):
             child = node.children.get(int(key[pos]))
-            if child is None or child.host is not None:
+            if child is None or not child.on_device:
                 break
             n = common_prefix_len(child.key, key[pos:])
             if n < len(child.key):
@@ -163,6 +165,9 @@ class RadixTree(HostTier):
         child.shares_first = cut % S != 0
         if child.shares_first:
             self.allocator.inc_ref(child.pages[:1])
+        if child.host is not None:  # a backup: each part keeps its own pages' host copies
+            upper.host, child.host = np.split(child.host, [upper.own_pages])
+            self._push_backup(upper)
         self._num_nodes += 1
         return upper
 
@@ -235,7 +240,8 @@ class RadixTree(HostTier):
             if is_held and not held:
                 break
             heapq.heappop(self._heap)
-            freed += self._delete_leaf(node) if drop or self.host is None else self._write_back(node)
+            write_back = self.host is not None and not (drop or node.retired)
+            freed += self._write_back(node) if write_back else self._delete_leaf(node)
         self.evicted_pages += freed
         return freed
 
@@ -255,23 +261,43 @@ class RadixTree(HostTier):
         self.version += 1
         if parent.parent is None or parent.lock_ref:
             return
-        if parent.host is not None and not parent.children:
+        if not parent.on_device and not parent.children:
             self._push_host(parent)
         elif parent.device_leaf():
             self._push(parent)
 
     def _delete_leaf(self, node: TreeNode) -> int:
-        """Forget a device leaf (its host descendants too); returns its own pages."""
+        """Forget a device leaf (its host copy and host descendants too); returns its own pages."""
         for child in list(node.children.values()):
             self._drop_host_subtree(child)
+        self._drop_backup(node)
         own = self._free_device(node)
         node.alive = False
         self._num_nodes -= 1
         self._detach(node)
         return own
 
+    def retire(self, node: TreeNode) -> None:
+        """The path to `node` will not be asked for again (its workflow ended): its nodes that
+        no one else locks or holds leave the host now (host nodes with what is below them, the
+        host copies of device nodes) and are evicted first from the device, without a
+        write-back. A match that reaches one revives it."""
+        while node.parent is not None and node.alive and node.lock_ref == 0 and node.hold_ref == 0:
+            parent = node.parent
+            if not node.on_device:
+                self._drop_host_subtree(node)  # everything below a host node is on the host
+            else:
+                for child in [c for c in node.children.values() if not c.on_device]:
+                    self._drop_host_subtree(child)
+                self._drop_backup(node)
+                node.retired, node.last_access = True, 0
+                if node.device_leaf():
+                    self._push(node)
+            node = parent
+
     def _touch(self, node: TreeNode, now: int) -> None:
         node.last_access = now
+        node.retired = False
         if node.lock_ref == 0 and node.device_leaf():
             self._push(node)
 

@@ -25,10 +25,11 @@ def check_tree(tree) -> np.ndarray:
         assert node.start == parent.end and node.ns == parent.ns
         span = -(-node.end // S) - node.start // S
         if node.host is not None:
-            assert node.lock_ref == 0 and len(node.pages) == 0, "a host node is locked or has pages"
             assert len(node.host) == span - node.shares_first, "host pages do not cover the span"
-            assert all(c.host is not None for c in node.children.values()), "device below host"
             host_ids.append(node.host)
+        if not node.on_device:
+            assert node.host is not None and node.lock_ref == 0, "a node neither on the device nor the host"
+            assert not any(c.on_device for c in node.children.values()), "device below host"
             continue
         assert len(node.pages) == span, "pages do not cover the span"
         assert not np.any(node.pages == 0), "the sink page is in the tree"

@@ -16,6 +16,8 @@ With a host tier (host_pool.py) a node whose pages were written back lives on th
 holds the host page ids of its own pages and `pages` is empty. The device nodes of a path are
 always a prefix of it (a node goes to the host only when none of its children is on the device,
 and comes back only below a device parent), so a device match simply stops at the first host node.
+A node loaded back keeps its host copy (`host` and `pages` both set: a backup), so evicting it
+again costs no copy, until the host needs the room.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ EMPTY = np.zeros(0, np.int32)
 
 class TreeNode:
     __slots__ = ("key", "pages", "start", "parent", "children", "ns", "lock_ref", "hold_ref",
-                 "last_access", "shares_first", "alive", "host")
+                 "last_access", "shares_first", "alive", "host", "retired")
 
     def __init__(self, key, pages, start, parent, ns, shares_first=False):
         self.key = key  # [n] int32 token ids of this edge
@@ -41,7 +43,8 @@ class TreeNode:
         self.last_access = 0
         self.shares_first = shares_first  # pages[0] is the parent's last page
         self.alive = True
-        self.host: np.ndarray | None = None  # [own pages] host page ids while on the host
+        self.host: np.ndarray | None = None  # [own pages] host page ids of its host copy
+        self.retired = False  # its workflow ended: evicted first, never written back (until reused)
 
     @property
     def end(self) -> int:
@@ -49,15 +52,15 @@ class TreeNode:
 
     @property
     def own_pages(self) -> int:
-        return len(self.host) if self.host is not None else len(self.pages) - self.shares_first
+        return len(self.pages) - self.shares_first if len(self.pages) else len(self.host)
 
     @property
     def on_device(self) -> bool:
-        return self.host is None
+        return len(self.pages) > 0  # a device node holds at least the page its first token is in
 
     def device_leaf(self) -> bool:
         """On the device with no child on the device: what device eviction takes."""
-        return self.host is None and not any(c.host is None for c in self.children.values())
+        return self.on_device and not any(c.on_device for c in self.children.values())
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

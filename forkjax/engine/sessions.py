@@ -22,10 +22,12 @@ drop, its reservation is given back, and its next request is admitted like a fir
 
 With a host tier, idle paths cost a copy, not a recompute: a session whose requests say they
 pause longer than PREFETCH_LEAD_S before the next (`session_next_s`: a tool call) reserves on the
-device only the paths its live requests use (at least one a pool it keeps paths in), and the
-rest of its projection in host bytes, against the host budget. Its held pages still go after
-unheld ones, but count as room (evicting them writes them back to the host), and come back when
-its next request is admitted, or shortly before it is due (`prefetch`). A session that does not
+device only the paths its live requests use (at least one a pool it keeps paths in), and its
+whole projection in host bytes, against the host budget. Its held pages still go after unheld
+ones, but count as room (evicting them writes them back to the host), and come back when its
+next request is admitted, or, for the agent expected next, shortly before it is due
+(`prefetch`). A session that ends retires its paths (`RadixTree.retire`): nothing asks for them
+again, so they leave the host at once and the device first, without a write-back. A session that does not
 pause keeps its whole projection on the device, as without a tier: otherwise its agents' paths
 would be copied out and back in at every turn, for no idle time to fill.
 """
@@ -72,6 +74,10 @@ class Session:
     paths: dict = dataclasses.field(default_factory=dict)
     version: int = 0  # changes with tokens_hint, tokens and paths
     projected: tuple | None = None  # (what it was computed from, the projection)
+    last_key: object = None  # the adapter key of its latest request
+    # adapter key -> the key of the request that followed one of that key last time: the
+    # agent a session is expected to run next (ReAct's agents take turns in a fixed order)
+    successor: dict = dataclasses.field(default_factory=dict)
 
     def grow(self, pool: str, ns, prompt: np.ndarray, target: int) -> None:
         """A request of `target` tokens whose prompt is `prompt` [n] int32 keeps a path in
@@ -138,6 +144,9 @@ class Sessions:
             self.gaps.append(self.clock() - s.idle_since)
             self.longest_gap = max(self.gaps)
         s.idle_since = s.next_at = None
+        if s.last_key is not None:
+            s.successor[s.last_key] = seq.adapter_key
+        s.last_key = seq.adapter_key
         if seq.req.session_next_s is not None:
             s.pause_s = seq.req.session_next_s
         target = len(seq.prompt) + seq.params.max_new_tokens
@@ -168,21 +177,28 @@ class Sessions:
         if s.live == 0:
             if s.ending:
                 self._end(seq.session_id)
+                if tokens is not None:  # the last request's path: nothing asks for it again
+                    PrefixHold(self.cache, tokens, seq.adapter_key, list(seq.fanout.values())).retire()
             else:
                 s.idle_since = self.clock()
                 if seq.req.session_next_s is not None:
                     s.next_at = s.idle_since + seq.req.session_next_s
 
     def prefetch(self) -> None:
-        """Load back from the host the paths of idle sessions whose next request is due within
-        PREFETCH_LEAD_S (KVFlow's idea: the copy runs while the tool call finishes)."""
+        """Load back from the host the path of the agent that idle sessions whose next request
+        is due within PREFETCH_LEAD_S are expected to run next (KVFlow's idea: the copy runs
+        while the tool call finishes): the agent that followed the last one the previous time.
+        Without such a guess nothing is loaded ahead; the request loads its path when it starts.
+        Loading every agent's path would copy paths that are not used next, and push out paths
+        of other sessions that are."""
         if self.cache.host_budget is None:
             return
         now = self.clock()
         for s in self.by_id.values():
             if s.next_at is not None and s.next_at - PREFETCH_LEAD_S <= now:
                 s.next_at = None
-                for hold in s.holds.values():
+                hold = s.holds.get(s.successor.get(s.last_key))
+                if hold is not None:
                     self.cache.prefetch(hold.tokens, hold.adapter_key, hold.fanout_keys)
 
     def of(self, seq) -> Session | None:
@@ -195,8 +211,12 @@ class Sessions:
                 self._end(sid)
 
     def _end(self, sid: str) -> None:
+        """Session `sid` ended: its paths are retired (`RadixTree.retire`: evicted first, not
+        written back to the host), not only released."""
         s = self.by_id.pop(sid)
-        self.drop(s)
+        for hold in s.holds.values():
+            hold.retire()
+        s.holds.clear()
         if s.tokens:
             S = self.cache.page_size
             per_path = -(-s.tokens // S)
@@ -215,7 +235,8 @@ class Sessions:
     def reservation(self, s: Session) -> tuple[tuple[float, float], float]:
         """((base, residual) device pages, host bytes) session `s` reserves: its whole
         projection on the device; with a host tier and a pause between its requests, the paths
-        of its live requests there (at least one a pool) and the rest on the host."""
+        of its live requests there (at least one a pool), and the whole projection on the host,
+        where all of it may wait during a pause."""
         if not self.host_capacity or s.pause_s <= PREFETCH_LEAD_S:
             return self.projection(s), 0.0
         live = [sum(n[i] for n in s.live_paths.values()) for i in range(len(POOLS))]
@@ -223,9 +244,8 @@ class Sessions:
         for (paths, per_path, used), n, page_bytes in zip(self._projected(s), live,
                                                           self.page_bytes):
             whole = max(paths * per_path, used)
-            on_device = min(whole, max(1, n) * per_path) if paths else whole
-            device.append(on_device)
-            host += (whole - on_device) * page_bytes
+            device.append(min(whole, max(1, n) * per_path) if paths else whole)
+            host += whole * page_bytes  # in a pause its live paths leave the device too
         return tuple(device), host
 
     def _projected(self, s: Session) -> tuple:

@@ -27,6 +27,12 @@ K/V bytes a token are the replayed layout's (base and residual pages over the pa
 fixed and per-token parts scale with the model's projection and LM-head parameters against
 Llama-3-8B's (weight reads at decode, FLOPs at prefill).
 
+Host tier copies (`host_kv_bytes`): a step first moves what the cache queued (host_pool.py:
+stores inside the gather program, loads of whole blocks, both in the step's stream), so their
+time adds to the step's: per direction fixed + bytes / rate, the line through the two rows of
+BENCHMARKS.md, "Host tier" (H200, llama3.1-8b-random, 2 MiB pages, commit e2a526b:
+64 MiB stored in 2.17 ms and loaded in 2.24 ms, 1 GiB in 21.2 and 25.2 ms).
+
 Host time: each request adds HOST_S_PER_REQUEST to the clock, the time per request that
 overlap does not hide on the H200. It is (wall − the sum of the steps' device seconds) /
 requests over seven `bench_workflows.py --step-log` runs at eae05af (ReAct, llama3.1-8b-random,
@@ -60,6 +66,8 @@ DECODE_TOKENS = 2048  # each request's tokens in those rows
 ATTENTION_BYTES_PER_S = 545e6 / 161e-6  # one layer's K/V at B=64 over its attention time
 PREFILL = (8191, 0.267, 2048)  # prompt tokens, seconds to the first token, tokens a step
 MEASURED_MODEL = "llama3-8b-random"
+# BENCHMARKS.md, Host tier: (bytes, store seconds, load seconds) of two copy sizes (H200, e2a526b).
+HOST_COPY_ROWS = ((1 << 26, 2.173e-3, 2.237e-3), (1 << 30, 21.19e-3, 25.18e-3))
 HOST_S_PER_REQUEST = 7.2e-3  # host time a request costs beyond overlap (module docstring)
 IDLE_S = 1e-3  # a step with nothing to run (requests wait for admission): the loop polls again
 MAX_IDLE_S = 3600.0  # that long with work and nothing to run: the scheduler is stuck
@@ -84,6 +92,7 @@ class StepCost:
     extend_per_token_s: float
     kv_read_bytes_per_s: float
     kv_bytes_per_token: float  # of the replayed layout
+    host_copy: tuple  # ((fixed s, s a byte) of a store, the same of a load)
 
     @classmethod
     def h200(cls, cfg: ModelConfig, layout: PoolLayout) -> "StepCost":
@@ -99,8 +108,16 @@ class StepCost:
         ends = list(range(chunk, tokens, chunk)) + [tokens]
         per_token = (seconds - len(ends) * fixed - read(sum(ends))) / tokens
         scale = _weights(cfg) / _weights(ref)
+        (x0, *t0), (x1, *t1) = HOST_COPY_ROWS
+        copy = tuple((a - (b - a) / (x1 - x0) * x0, (b - a) / (x1 - x0)) for a, b in zip(t0, t1))
         return cls(float(fixed * scale), float(per_seq * scale), float(per_token * scale),
-                   ATTENTION_BYTES_PER_S, _kv_bytes_per_token(layout))
+                   ATTENTION_BYTES_PER_S, _kv_bytes_per_token(layout), copy)
+
+    def copy_s(self, copies) -> float:
+        """Modelled seconds of host tier copies [(op, bytes)], "store" or "load"."""
+        (store_fixed, store_byte), (load_fixed, load_byte) = self.host_copy
+        return sum(store_fixed + n * store_byte if op == "store" else load_fixed + n * load_byte
+                   for op, n in copies)
 
     def step_s(self, batch) -> float:
         """Modelled seconds of one step of `batch` (a ScheduledBatch)."""
@@ -123,12 +140,16 @@ class VirtualClock:
         return self.t
 
     def sleep(self, seconds: float) -> None:
-        self.t += max(0.0, seconds)
+        # A positive sleep moves the clock by at least one ulp: a waiter that sleeps until a time
+        # a rounding error short of it (t - t0 + d < wake) would otherwise sleep 0 forever.
+        if seconds > 0:
+            self.t = max(self.t + seconds, float(np.nextafter(self.t, np.inf)))
 
 
 class ReplayEngine:
     """The scheduler and cache of an `Engine` over `agents` at `model`'s geometry, without
-    weights (keywords as `Engine.from_pretrained`'s; `rank`: the LoRA rank of the slots)."""
+    weights (keywords as `Engine.from_pretrained`'s, `host_kv_bytes` 0 unless given; `rank`:
+    the LoRA rank of the slots)."""
 
     def __init__(self, model: str | ModelConfig, agents, *, cache_policy: str = "forkkv",
                  residual_fanout: bool = False, kv_cache_bytes: int = int(16e9),
@@ -136,7 +157,8 @@ class ReplayEngine:
                  max_model_len: int | None = None, page_size: int = 16, rank: int = 16,
                  dtype: str = "bfloat16", residual_fraction: float | None = None,
                  schedule_policy: str = "lpm", max_wait_s: float = 60.0,
-                 session_ttl_s: float = SESSION_TTL_S, cost: StepCost | None = None, seed: int = 0):
+                 session_ttl_s: float = SESSION_TTL_S, host_kv_bytes: int = 0,
+                 cost: StepCost | None = None, seed: int = 0):
         cfg = (model if isinstance(model, ModelConfig)
                else ModelConfig.from_hf(BUILTIN_CONFIGS.get(model, model)))
         self.model_cfg, self.agents = cfg, tuple(agents)
@@ -151,7 +173,7 @@ class ReplayEngine:
             lora_rank=rank, page_size=page_size, kv_cache_bytes=int(kv_cache_bytes),
             policy=cache_policy, dtype=dtype, residual_fraction=residual_fraction,
             residual_copies=len(self.agents) if cache_policy == "forkkv" else 1)
-        self.cache = DualRadixCache.from_layout(layout)
+        self.cache = DualRadixCache.from_layout(layout, host_kv_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.clock = VirtualClock()
         self.sleep = self.clock.sleep
@@ -204,7 +226,8 @@ class ReplayEngine:
         self.metrics.launched(batch, self.clock.t)
         self.metrics.time("steps", 1)
         self.scheduler.on_launched(batch)
-        dt = self.cost.step_s(batch)
+        dt = self.cost.step_s(batch) + self.cost.copy_s(
+            [c for host in self.cache.host_pools if host is not None for c in host.drop_queue()])
         self.metrics.time("device_s", dt)
         self.clock.t += dt
         self.metrics.fetched(batch, self.clock.t)
