@@ -1,7 +1,7 @@
 """The host-tier half of RadixTree (radix_tree.py's docstring says what the tier does): write-back
 of evicted leaves to a HostPagePool (host_pool.py), the host's own LRU, and loading host nodes
-back into device pages (their host copies stay as backups). Kept apart so that the device tree reads as it did without a tier; the
-counters it moves are the tree's."""
+back into device pages (their host copies stay, backups). Kept apart so that the device tree
+reads as it did without a tier; the counters it moves are the tree's."""
 
 from __future__ import annotations
 
@@ -148,7 +148,17 @@ class HostTier:
         return self.host_pages
 
     def _push_host(self, node: TreeNode) -> None:
-        heapq.heappush(self._host_heap, (node.last_access, next(self._tiebreak), node))
+        self._host_heap = self._pushed(self._host_heap, node,
+                                       lambda n: not n.on_device and not n.children)
 
     def _push_backup(self, node: TreeNode) -> None:
-        heapq.heappush(self._backup_heap, (node.last_access, next(self._tiebreak), node))
+        self._backup_heap = self._pushed(self._backup_heap, node, lambda n: n.on_device and n.host is not None)
+
+    def _pushed(self, heap: list, node: TreeNode, keep) -> list:
+        """`heap` with an entry for `node`; rebuilt from the nodes `keep` selects when stale
+        entries (nodes that left it since) pile up."""
+        heapq.heappush(heap, (node.last_access, next(self._tiebreak), node))
+        if len(heap) > 4 * self._num_nodes + 1024:
+            heap = [(n.last_access, next(self._tiebreak), n) for n in self._nodes() if keep(n)]
+            heapq.heapify(heap)
+        return heap

@@ -19,10 +19,11 @@ session that ran recently (hold.py).
 Host tier (`attach_host`): an evicted leaf's pages are written back to the host pool instead of
 dropped, and the node stays in the tree on the host (tree_node.py); a node loaded back keeps
 its host copy, so its next eviction copies nothing. When a write-back needs room the host drops
-the copies of nodes on the device first, then host leaves, least recently used first. A match stops at host nodes;
-`host_continuation` names the host nodes that would extend it and `load` brings them back (the
-copies are the host pool's to run). An insert that meets a host node drops it and its subtree:
-the new pages supersede it. Counters (evictable, held, protected, ns_pages) count device pages.
+the copies of nodes on the device first, then host leaves, least recently used first. A match
+stops at host nodes; `host_continuation` names the host nodes that would extend it and `load`
+brings them back (the copies are the host pool's to run). An insert that meets a host node
+drops it and its subtree: the new pages supersede it. Counters (evictable, held, protected,
+ns_pages) count device pages.
 """
 
 from __future__ import annotations

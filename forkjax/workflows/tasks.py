@@ -135,3 +135,35 @@ def directory_for_tokens(tokenizer, rng: np.random.Generator, tokens: int) -> li
             break
         records.append(r)
     return records
+
+
+def fidelity_lines(tokenizer, roles: list[str], contexts: list[int], directories: int = 1,
+                   per_reader: int = 3, seed: int = 0) -> list[dict]:
+    """The directory tasks as `python -m forkjax.fidelity` JSONL objects (text fields; the
+    checks `correct` applies): per context length and directory, one role writes (each in
+    turn) and every other role asks `per_reader` questions. `tokenizer`: HF's."""
+    head, tail = chat_pieces(tokenizer)
+    lines = []
+    for n in contexts:
+        for j in range(directories):
+            records = directory_for_tokens(tokenizer, np.random.default_rng([seed, n, j]), n)
+            writer = roles[j % len(roles)]
+            for reader in (r for r in roles if r != writer):
+                rng = np.random.default_rng([seed, n, j, roles.index(reader)])
+                for _ in range(per_reader):
+                    question, expected = task(reader, records, rng)
+                    lines.append(dict(context=head + context_text(records), task=question + tail,
+                                      answer=expected, writer=writer, reader=reader,
+                                      check=_check(reader, expected)))
+    return lines
+
+
+def _check(role: str, expected: str) -> dict:
+    """`correct`'s test of `role`'s answer as a fidelity check."""
+    if role == "extractor":
+        return {"json": "."}  # the same object
+    if role == "critic":  # the last yes or no is the expected verdict
+        verdict = re.findall(r"\b(yes|no)\b", expected)[-1]
+        return {"regex": rf"(?is)\b{verdict}\b(?!.*\b(?:yes|no)\b)"}
+    return {"regex": r"^\s*" + r"\s*".join(re.escape(c) for c in expected if not c.isspace()) + r"\s*$"}
+

@@ -1,0 +1,138 @@
+"""`python -m forkjax.fidelity`: how far each cache policy moves your own agents' outputs.
+
+    python -m forkjax.fidelity --model smollm2-135m --lora critic=DIR --lora extractor=DIR \\
+        --prompts tasks.jsonl --out /tmp/fidelity
+
+Reads the tasks (forkjax/fidelity/tasks.py says the JSONL), runs exact (each task alone) and
+every policy as served (runner.py), and compares them task by task (metrics.py): a table on
+stdout, DIR/fidelity.json (per policy `kl`, `top1`, `greedy_agreement`, `accuracy`,
+`layer_cosine`, each with `<name>_ci`, its 95% bootstrap interval, and `accuracy_vs_prefix`, the
+paired difference), DIR/fidelity.png and DIR/layer_cosine.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+import forkjax
+from forkjax.fidelity.metrics import compare, paired_difference
+from forkjax.fidelity.plots import plot
+from forkjax.fidelity.runner import SLACK_TOKENS, run_policy, targets_of
+from forkjax.fidelity.tasks import load_tasks
+
+POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared", "base")
+# Served unless --policies says otherwise; lrshared assumes agents trained with one shared A.
+DEFAULT_POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "base")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m forkjax.fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="HF checkpoint directory, .gguf file or built-in name")
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                    help="a PEFT adapter directory (repeat for each agent)")
+    ap.add_argument("--prompts", required=True, help="JSONL, one task a line (tasks.py)")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help=f"comma-separated among {', '.join(POLICIES)} (prefix always runs)")
+    ap.add_argument("--dtype", default="float32", help="float32 (default: the policies' own "
+                    "differences) or bfloat16 (as served)")
+    ap.add_argument("--max-new-tokens", type=int, default=16,
+                    help="positions compared on tasks without an answer (exact's greedy continuation)")
+    ap.add_argument("--kv-cache-bytes", type=float, default=None, help="KV budget (the engine's default)")
+    ap.add_argument("--seed", type=int, default=0, help="of the bootstrap resamples")
+    ap.add_argument("--out", default="fidelity_out")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    adapters = {}
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            ap.error(f"--lora {spec!r}: expected NAME=DIR")
+        if name in adapters:
+            ap.error(f"--lora {name}: given twice")
+        adapters[name] = path
+    if not adapters:
+        ap.error("--lora: give at least one adapter (NAME=DIR)")
+    args.adapters = adapters
+    policies = [p for p in args.policies.split(",") if p]
+    if bad := [p for p in policies if p not in POLICIES]:
+        ap.error(f"--policies: unknown {', '.join(bad)}; expected names among {', '.join(POLICIES)}")
+    args.policies = ["prefix", *[p for p in dict.fromkeys(policies) if p != "prefix"]]
+    if args.max_new_tokens < 1:
+        ap.error("--max-new-tokens: at least 1")
+    return args
+
+
+def build_engine(args, policy: str, max_len: int):
+    cache = "prefix" if policy in ("exact", "prefix", "base") else policy.removesuffix("+fanout")
+    kw = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": int(args.kv_cache_bytes)}
+    return forkjax.Engine.from_pretrained(
+        args.model, adapters=args.adapters, cache_policy=cache, dtype=args.dtype,
+        residual_fanout=policy == "forkkv+fanout", max_model_len=max_len, warmup=False,
+        progress=False, **kw)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    probe = build_engine(args, "exact", max_len=None)  # the tokenizer and the model's context
+    tasks = load_tasks(args.prompts, probe.tokenizer, args.adapters)
+    longest = max(len(t.prompt) + (len(t.answer) + SLACK_TOKENS if t.answer else args.max_new_tokens)
+                  for t in tasks)
+    if longest > probe.max_model_len:
+        raise ValueError(f"{args.prompts}: a task needs {longest} tokens, past the model's "
+                         f"{probe.max_model_len}")
+    probe.close()
+    # Every engine sized to the longest task: equal shapes, so they share compiled programs.
+    exact_engine = build_engine(args, "exact", longest)
+    bar = tqdm(total=len(tasks) * (len(args.policies) + 1), unit="task", disable=args.no_progress)
+    bar.set_description("exact")
+    exact = run_policy(exact_engine, "exact", tasks, args.max_new_tokens, progress=bar)
+    targets = targets_of(tasks, exact)
+    runs = {}
+    for policy in args.policies:
+        bar.set_description(policy)
+        engine = exact_engine if policy in ("prefix", "base") else build_engine(args, policy, longest)
+        runs[policy] = run_policy(engine, policy, tasks, args.max_new_tokens, targets, progress=bar)
+        if engine is not exact_engine:
+            engine.close()
+    bar.close()
+    result = dict(model=args.model, adapters=args.adapters, prompts=args.prompts, dtype=args.dtype,
+                  tasks=len(tasks), scored_tasks=sum(t.scored for t in tasks),
+                  command=" ".join(["python -m forkjax.fidelity", *(argv or sys.argv[1:])]),
+                  exact_accuracy=compare(exact, exact, args.seed)["accuracy"], policies={})
+    for policy, r in runs.items():
+        result["policies"][policy] = dict(compare(r, exact, args.seed),
+                                          accuracy_vs_prefix=paired_difference(r, runs["prefix"], args.seed))
+    result["seconds"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, args.out)
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    """The policies' metrics with their intervals, one row each."""
+    fmt = lambda v, ci, p=3: "—" if v is None else f"{v:.{p}f} [{ci[0]:.{p}f}, {ci[1]:.{p}f}]"  # noqa: E731
+    lines = [f"{result['tasks']} tasks ({result['scored_tasks']} with an answer), exact accuracy "
+             f"{'—' if result['exact_accuracy'] is None else format(result['exact_accuracy'], '.3f')}",
+             f"{'policy':14s} {'KL':>26s} {'top-1':>23s} {'greedy':>23s} {'accuracy':>23s} last-layer cos"]
+    for name, m in result["policies"].items():
+        lines.append(f"{name:14s} {fmt(m['kl'], m['kl_ci'], 5):>26s} {fmt(m['top1'], m['top1_ci']):>23s} "
+                     f"{fmt(m['greedy_agreement'], m['greedy_agreement_ci']):>23s} "
+                     f"{fmt(m['accuracy'], m['accuracy_ci']):>23s} {m['layer_cosine'][-1]:.4f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:  # a bad task file or adapter: the message names it
+        sys.exit(f"forkjax.fidelity: {e}")
