@@ -1,8 +1,8 @@
-"""scripts/bench_fidelity.py --quick on SmolLM2-135M-Instruct and its trained agents: the JSON
-and plots are written, exact is exact against itself, and `forkkv` (own residuals over another
-agent's base) stays closer to exact than `full_reuse` (another agent's whole K/V). Two policies
-beside `prefix` keep the suite's time: every policy's engine path has its own tests, and the
-benchmark's full run covers all five."""
+"""scripts/bench_fidelity.py --quick (python -m forkjax.fidelity on the staff-directory tasks) on
+SmolLM2-135M-Instruct and its trained agents: the JSON and plots are written, served `prefix` is
+exact, and `forkkv` (own residuals over another agent's base) stays closer to exact than
+`full_reuse` (another agent's whole K/V). Two policies beside `prefix` keep the suite's time:
+every policy's engine path has its own tests, and the benchmark's full run covers all five."""
 
 import json
 import pathlib
@@ -24,8 +24,12 @@ def test_quick_fidelity_run(tmp_path):
     for name, m in pol.items():
         assert 0 <= m["accuracy"] <= 1 and m["kl"] >= 0 and len(m["layer_cosine"]) == layers, name
         assert m["tasks"] == 6, name  # 2 readers x 3 questions
-    assert pol["prefix"]["kl"] == 0 and pol["prefix"]["top1"] == 1 and pol["prefix"]["greedy_agreement"] == 1
+    # Served `prefix` against each task alone: float32 rounding of other chunkings, nothing more.
+    assert pol["prefix"]["kl"] < 1e-6 and pol["prefix"]["top1"] == 1 and pol["prefix"]["greedy_agreement"] == 1
     assert pol["forkkv"]["kl"] < pol["full_reuse"]["kl"]
     assert pol["forkkv"]["layer_cosine"][-1] > pol["full_reuse"]["layer_cosine"][-1]
     assert {(r["policy"], r["context"]) for r in result["sweep"]} == {(p, 1024) for p in pol}
-    assert (tmp_path / "fidelity.png").stat().st_size > 0 and (tmp_path / "layer_cosine.png").stat().st_size > 0
+    assert (tmp_path / "fidelity.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
+    assert (tmp_path / "rank8" / "layer_cosine.png").stat().st_size > 0
+    for m in pol.values():  # forkjax.fidelity's intervals come along
+        assert m["kl_ci"][0] <= m["kl"] <= m["kl_ci"][1]

@@ -7,7 +7,8 @@ Reads the tasks (forkjax/fidelity/tasks.py says the JSONL), runs exact (each tas
 every policy as served (runner.py), and compares them task by task (metrics.py): a table on
 stdout, DIR/fidelity.json (per policy `kl`, `top1`, `greedy_agreement`, `accuracy`,
 `layer_cosine`, each with `<name>_ci`, its 95% bootstrap interval, and `accuracy_vs_prefix`, the
-paired difference), DIR/fidelity.png and DIR/layer_cosine.png.
+paired difference; `per_task`, each policy's rows by task line, for summaries of subsets:
+`metrics.summarize`), DIR/fidelity.png and DIR/layer_cosine.png.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from tqdm import tqdm
 
 import forkjax
-from forkjax.fidelity.metrics import compare, paired_difference
+from forkjax.fidelity.metrics import compare, paired_difference, per_task, summarize
 from forkjax.fidelity.plots import plot
 from forkjax.fidelity.runner import SLACK_TOKENS, run_policy, targets_of
 from forkjax.fidelity.tasks import load_tasks
@@ -106,9 +107,13 @@ def main(argv=None) -> dict:
                   tasks=len(tasks), scored_tasks=sum(t.scored for t in tasks),
                   command=" ".join(["python -m forkjax.fidelity", *(argv or sys.argv[1:])]),
                   exact_accuracy=compare(exact, exact, args.seed)["accuracy"], policies={})
+    result["per_task"] = {}
     for policy, r in runs.items():
-        result["policies"][policy] = dict(compare(r, exact, args.seed),
+        rows = [per_task(a, e) for a, e in zip(r, exact)]
+        result["policies"][policy] = dict(summarize(rows, args.seed),
                                           accuracy_vs_prefix=paired_difference(r, runs["prefix"], args.seed))
+        result["per_task"][policy] = [dict(row, line=t.line, layer_cosine=row["layer_cosine"].tolist())
+                                      for t, row in zip(tasks, rows)]
     result["seconds"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fidelity.json"), "w") as f:

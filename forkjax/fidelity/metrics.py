@@ -38,7 +38,11 @@ def interval(values: np.ndarray, seed: int = 0) -> list:
 
 def compare(runs: list[dict], exact: list[dict], seed: int = 0) -> dict:
     """The policy's metrics against exact over the tasks, each with `<name>_ci`."""
-    rows = [per_task(r, e) for r, e in zip(runs, exact)]
+    return summarize([per_task(r, e) for r, e in zip(runs, exact)], seed)
+
+
+def summarize(rows: list[dict], seed: int = 0) -> dict:
+    """The metrics of `per_task` rows (any subset of a run's tasks), each with `<name>_ci`."""
     out = {"tasks": len(rows)}
     for key in ("kl", "top1", "greedy_agreement"):
         values = np.array([r[key] for r in rows])
@@ -46,7 +50,7 @@ def compare(runs: list[dict], exact: list[dict], seed: int = 0) -> dict:
     scored = np.array([r["accuracy"] for r in rows if r["accuracy"] is not None])
     out["accuracy"] = float(scored.mean()) if len(scored) else None
     out["accuracy_ci"] = interval(scored, seed) if len(scored) else None
-    cos = np.stack([r["layer_cosine"] for r in rows])
+    cos = np.stack([np.asarray(r["layer_cosine"]) for r in rows])
     out["layer_cosine"] = [float(v) for v in cos.mean(axis=0)]
     out["layer_cosine_ci"] = interval(cos, seed)
     return out
