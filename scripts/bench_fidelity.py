@@ -10,6 +10,8 @@ those tasks, per adapter set.
     R=forkjax/models/adapters/smollm2-135m
     python scripts/bench_fidelity.py --adapters $R,/tmp/agents-r4,/tmp/agents-r16 --contexts 1024 \
         --policies forkkv,full_reuse,base --out /tmp/fidelity-rank
+    # the adapter-strength curve: the agents' B scaled
+    python scripts/bench_fidelity.py --quick --policies forkkv,full_reuse --scales 0.25,0.5,1,2 --out /tmp/fs
 
 Per directory one agent (the writer, each role in turn) prefills the directory; every other agent
 (a reader) then asks `--tasks` questions on it (`tasks.fidelity_lines`: the JSONL written to
@@ -23,8 +25,10 @@ model without any adapter, the adapters' own effect on the answers. Float32 thro
 Writes DIR/fidelity.json ({"policies": {name: {...}}, "sweep": [...], ...}: `policies` is the
 first adapter set over every context, the sweep every policy at every (rank, context length)
 run, both from forkjax.fidelity's per-task rows), DIR/fidelity.png (accuracy and KL per run),
-DIR/sweep.png (loss against context length and rank), and per adapter set forkjax.fidelity's
-own output (its layer_cosine.png among them) under DIR/rank<r>[-shared-a]/.
+DIR/sweep.png (loss against context length and rank), with --scales DIR/strength.png (each
+policy's loss and the adapters' own effect as their B is scaled: ForkKV Fig. 5's relation),
+and per run forkjax.fidelity's own output (layer_cosine.png among it) under
+DIR/rank<r>[-shared-a]/ and DIR/scale<s>/.
 """
 
 from __future__ import annotations
@@ -55,12 +59,15 @@ def main(argv=None):
                     help="trained agents' directories, comma-separated (default: the built-in's); "
                          "the first gives `policies`, all of them the sweep (e.g. other ranks)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--scales", default="", help="adapter strengths (factors on B, e.g. "
+                    "0.25,0.5,1,2): the first set's runs for the strength curve (strength.png)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="fidelity_out")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.directories, args.tasks = "1024", 1, 3
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.scales = [float(x) for x in args.scales.split(",") if x]
     policies = [p for p in args.policies.split(",") if p]
     if bad := [p for p in policies if p not in POLICIES]:
         sys.exit(f"--policies: unknown {bad}: expected names among {', '.join(POLICIES)}")
@@ -78,23 +85,16 @@ def main(argv=None):
     tokenizer = GGUFCheckpoint(packaged_path("smollm2-135m")).tokenizer().tok
     result = dict(model="smollm2-135m", dtype="float32", contexts=args.contexts,
                   directories=args.directories, tasks_per_reader=args.tasks,
-                  command=" ".join(["python", *sys.argv]), seconds={}, policies={}, sweep=[])
+                  command=" ".join(["python", *sys.argv]), seconds={}, policies={}, sweep=[],
+                  strength=[])
     served = [p for p in policies if p != "lrshared"]
     for k, (own, shared) in enumerate(sets):
         rank = adapter_rank(own)
         runs = [("", own, served)] + ([("-shared-a", shared, ["lrshared"])] if "lrshared" in policies else [])
         for suffix, adapters, names in runs:
-            out = os.path.join(args.out, f"rank{rank}{suffix}")
-            os.makedirs(out, exist_ok=True)
-            lines = fidelity_lines(tokenizer, list(adapters), args.contexts, args.directories,
-                                   args.tasks, args.seed)
-            with open(os.path.join(out, "tasks.jsonl"), "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(line) + "\n" for line in lines)
             t = time.perf_counter()
-            r = fidelity(["--model", "smollm2-135m", "--prompts", os.path.join(out, "tasks.jsonl"),
-                          *[a for n, d in adapters.items() for a in ("--lora", f"{n}={d}")],
-                          "--policies", ",".join(names), "--kv-cache-bytes", str(args.kv_cache_bytes),
-                          "--seed", str(args.seed), "--out", out, "--no-progress"])
+            r, lines = run_fidelity(os.path.join(args.out, f"rank{rank}{suffix}"), adapters, names,
+                                    tokenizer, args)
             result["seconds"][f"rank {rank}{suffix}"] = time.perf_counter() - t
             context_of = {n + 1: c for n, c in enumerate(_contexts(lines, args))}  # by line
             for policy, rows in r["per_task"].items():
@@ -104,6 +104,16 @@ def main(argv=None):
                 for n in args.contexts:
                     pick = [row for row in rows if context_of[row["line"]] == n]
                     result["sweep"].append(dict(policy=name, context=n, rank=rank, **summarize(pick, args.seed)))
+    # ForkKV Fig. 5's relation: each policy's loss against the adapters' own effect (`base`'s
+    # KL), the first set's B scaled.
+    for scale in args.scales:
+        t = time.perf_counter()
+        r, _ = run_fidelity(os.path.join(args.out, f"scale{scale:g}"), sets[0][0],
+                            [*dict.fromkeys([*served, "base"])], tokenizer, args, scale)
+        result["seconds"][f"scale {scale:g}"] = time.perf_counter() - t
+        for policy, m in r["policies"].items():
+            result["strength"].append(dict(scale=scale, policy=policy, adapter_kl=r["policies"]["base"]["kl"],
+                                           **{key: m[key] for key in ("kl", "kl_ci", "accuracy", "greedy_agreement")}))
     result["total_s"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "fidelity.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -112,6 +122,20 @@ def main(argv=None):
         print(f"{r['policy']:16s} rank {r['rank']:2d} {r['context']:5d} tokens: accuracy "
               f"{r['accuracy']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1']:.3f}  greedy "
               f"{r['greedy_agreement']:.3f}  last-layer cosine {r['layer_cosine'][-1]:.4f}")
+
+
+def run_fidelity(out: str, adapters: dict, policies: list[str], tokenizer, args, scale: float = 1.0):
+    """python -m forkjax.fidelity on the directory tasks of `adapters` ({role: dir}), output in
+    `out` -> (its result, the task lines)."""
+    os.makedirs(out, exist_ok=True)
+    lines = fidelity_lines(tokenizer, list(adapters), args.contexts, args.directories, args.tasks, args.seed)
+    with open(os.path.join(out, "tasks.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    r = fidelity(["--model", "smollm2-135m", "--prompts", os.path.join(out, "tasks.jsonl"),
+                  *[a for n, d in adapters.items() for a in ("--lora", f"{n}={d}")],
+                  "--policies", ",".join(policies), "--kv-cache-bytes", str(args.kv_cache_bytes),
+                  "--lora-scale", str(scale), "--seed", str(args.seed), "--out", out, "--no-progress"])
+    return r, lines
 
 
 def _contexts(lines: list[dict], args) -> list[int]:
@@ -161,6 +185,22 @@ def plot(result: dict, out: str):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "sweep.png"), dpi=120)
+    if result["strength"]:  # each policy's KL and the adapters' own effect (`base`) per B scale
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for p in dict.fromkeys(r["policy"] for r in result["strength"] if r["policy"] != "prefix"):
+            pts = sorted((r["scale"], r["kl"]) for r in result["strength"] if r["policy"] == p)
+            ax.plot(*zip(*pts), marker="o", ls="--" if p == "base" else "-",
+                    label="base (the adapters' own effect)" if p == "base" else p)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        xs = sorted({r["scale"] for r in result["strength"]})
+        ax.set_xticks(xs, [f"×{x:g}" for x in xs])
+        ax.set_xlabel("adapters' B scaled")
+        ax.set_ylabel("KL(exact || policy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "strength.png"), dpi=120)
     plt.close("all")
 
 

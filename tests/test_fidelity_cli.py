@@ -63,6 +63,32 @@ def test_fidelity_cli_on_peft_adapters(hf_suite, tmp_path):
         assert m["tasks"] == n and len(m["layer_cosine"]) == 3  # embeddings + 2 layers
 
 
+def test_without_an_adapter_effect_every_policy_is_exact(hf_suite, tmp_path):
+    """--lora-scale 0: every adapter's B is zero, so every agent is the base model and sharing
+    another agent's K/V changes nothing: every policy, `base` included, agrees with exact."""
+    base, adapters = hf_suite["llama"]
+    names = ["qkvo8", "all4rs"]
+    _tasks(tmp_path / "tasks.jsonl", names, np.random.default_rng(1))
+    result = main(["--model", base, *[a for name in names for a in ("--lora", f"{name}={adapters[name]}")],
+                   "--prompts", str(tmp_path / "tasks.jsonl"), "--policies", "forkkv,full_reuse,base",
+                   "--lora-scale", "0", "--max-new-tokens", "4", "--no-progress", "--out", str(tmp_path)])
+    assert result["lora_scale"] == 0
+    for name, m in result["policies"].items():
+        assert m["kl"] < 1e-6 and m["greedy_agreement"] == 1.0 and m["top1"] == 1.0, name
+
+
+def test_a_scaled_adapter_scales_its_update(hf_suite):
+    from forkjax.config import ModelConfig
+    from forkjax.lora.peft import load_peft_adapter
+    base, adapters = hf_suite["llama"]
+    cfg = ModelConfig.from_hf(json.loads(open(os.path.join(base, "config.json")).read()))
+    a = load_peft_adapter("q", adapters["qkvo8"], cfg)
+    half = a.scaled(0.5)
+    for key, (A, B) in a.weights.items():
+        assert half.weights[key][0] is A and np.array_equal(half.weights[key][1], B * np.float32(0.5))
+    assert half.scaling == a.scaling / 2 and half.name == a.name
+
+
 @pytest.mark.parametrize("line, match", [
     ("not json", ":2:"),
     ('{"context": [1, 2], "task": [3], "writer": "a", "reader": "nobody"}', ":2: reader 'nobody'"),

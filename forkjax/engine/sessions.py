@@ -20,16 +20,16 @@ what its requests so far keep (`Session.grow`: a branch per request that leaves 
 session whose pages are taken after all (admission.py, scheduler.py) is suspended: its holds
 drop, its reservation is given back, and its next request is admitted like a first one.
 
-With a host tier, idle paths cost a copy, not a recompute: a session whose requests say they
-pause longer than PREFETCH_LEAD_S before the next (`session_next_s`: a tool call) reserves on the
-device only the paths its live requests use (at least one a pool it keeps paths in), and its
-whole projection in host bytes, against the host budget. Its held pages still go after unheld
-ones, but count as room (evicting them writes them back to the host), and come back when its
-next request is admitted, or, for the agent expected next, shortly before it is due
-(`prefetch`). A session that ends retires its paths (`RadixTree.retire`): nothing asks for them
-again, so they leave the host at once and the device first, without a write-back. A session that does not
-pause keeps its whole projection on the device, as without a tier: otherwise its agents' paths
-would be copied out and back in at every turn, for no idle time to fill.
+With a host tier, idle paths cost a copy, not a recompute: a session whose requests say they pause
+longer than PREFETCH_LEAD_S before the next (`session_next_s`: a tool call) reserves on the device
+only the paths its live requests use (at least one a pool it keeps paths in), and its whole
+projection in host bytes, against the host budget. Its held pages still go after unheld ones, but
+count as room (evicting them writes them back to the host), and come back when its next request is
+admitted, or, for the agent expected next, shortly before it is due (`prefetch`). A session that
+ends retires its paths (`RadixTree.retire`): nothing asks for them again, so they leave the host at
+once and the device first, without a write-back. A session that does not pause keeps its whole
+projection on the device, as without a tier: otherwise its agents' paths would be copied out and
+back in at every turn, for no idle time to fill.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import time
 from tqdm import tqdm
 
 import forkjax
+from forkjax.engine.loading import read_adapters
 from forkjax.fidelity.metrics import compare, paired_difference, per_task, summarize
 from forkjax.fidelity.plots import plot
 from forkjax.fidelity.runner import SLACK_TOKENS, run_policy, targets_of
@@ -44,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "differences) or bfloat16 (as served)")
     ap.add_argument("--max-new-tokens", type=int, default=16,
                     help="positions compared on tasks without an answer (exact's greedy continuation)")
+    ap.add_argument("--lora-scale", type=float, default=1.0,
+                    help="multiplies every adapter's B, so its effect (the adapter-strength curve)")
     ap.add_argument("--kv-cache-bytes", type=float, default=None, help="KV budget (the engine's default)")
     ap.add_argument("--seed", type=int, default=0, help="of the bootstrap resamples")
     ap.add_argument("--out", default="fidelity_out")
@@ -64,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad := [p for p in policies if p not in POLICIES]:
         ap.error(f"--policies: unknown {', '.join(bad)}; expected names among {', '.join(POLICIES)}")
     args.policies = ["prefix", *[p for p in dict.fromkeys(policies) if p != "prefix"]]
+    if not 0 <= args.lora_scale < float("inf"):
+        ap.error(f"--lora-scale {args.lora_scale}: a finite factor >= 0")
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens: at least 1")
     return args
@@ -88,6 +93,9 @@ def main(argv=None) -> dict:
     if longest > probe.max_model_len:
         raise ValueError(f"{args.prompts}: a task needs {longest} tokens, past the model's "
                          f"{probe.max_model_len}")
+    if args.lora_scale != 1.0:
+        args.adapters = {a.name: a.scaled(args.lora_scale)
+                         for a in read_adapters(args.adapters, probe.model_cfg)}
     probe.close()
     # Every engine sized to the longest task: equal shapes, so they share compiled programs.
     exact_engine = build_engine(args, "exact", longest)
@@ -103,7 +111,8 @@ def main(argv=None) -> dict:
         if engine is not exact_engine:
             engine.close()
     bar.close()
-    result = dict(model=args.model, adapters=args.adapters, prompts=args.prompts, dtype=args.dtype,
+    result = dict(model=args.model, adapters={n: getattr(a, "source", a) for n, a in args.adapters.items()},
+                  lora_scale=args.lora_scale, prompts=args.prompts, dtype=args.dtype,
                   tasks=len(tasks), scored_tasks=sum(t.scored for t in tasks),
                   command=" ".join(["python -m forkjax.fidelity", *(argv or sys.argv[1:])]),
                   exact_accuracy=compare(exact, exact, args.seed)["accuracy"], policies={})

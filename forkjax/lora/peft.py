@@ -53,6 +53,12 @@ class LoraAdapter:
         """Bytes of its A and B (float32, on the host)."""
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    def scaled(self, factor: float) -> LoraAdapter:
+        """This adapter with B times `factor`: the same directions, `factor` times its update
+        x·A·B (the adapter-strength axis of a fidelity sweep)."""
+        return dataclasses.replace(self, scaling=self.scaling * factor,
+                                   weights={k: (a, b * np.float32(factor)) for k, (a, b) in self.weights.items()})
+
     @property
     def targets(self) -> frozenset[str]:
         return frozenset(m for _, m in self.weights)
