@@ -9,8 +9,9 @@
 #           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
-#   rebuild engines of other shapes in one process, memory defaults,  rebuild.log       ~5 min
-#           the host tier's copies (pinned host memory) and engine outputs, adapter swapping
+#   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
+#   tiers   the host tier's copies (pinned host memory) and engine     tiers.log          ~5 min
+#           outputs, adapter swapping
 #   host    host tier copy rates (bench_host_tier.py, 64 MB and 1 GB)  host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
@@ -93,8 +94,10 @@ for stage in "$@"; do
         timeout 200 python3 scripts/bench_host_tier.py --out "$OUT/host_tier.json" > "$OUT/host_tier.log" 2>&1
         echo "bench_host_tier: rc=$?"; cat "$OUT/host_tier.log" ;;
     rebuild)
-        run 420 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py \
-            tests/test_cache_host_pool.py tests/test_engine_host_tier.py tests/test_engine_adapter_swap.py ;;
+        run 420 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py ;;
+    tiers)
+        run 420 tiers.log python3 -m pytest -q tests/test_cache_host_pool.py tests/test_engine_host_tier.py \
+            tests/test_engine_adapter_swap.py ;;
     hardening)
         run 240 hardening.log python3 -m pytest -q tests/test_deterministic.py tests/test_isolation.py ;;
     engine | det)
