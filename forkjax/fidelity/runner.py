@@ -35,7 +35,7 @@ def run_policy(engine, policy: str, tasks: list[FidelityTask], max_new_tokens: i
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tasks):
         groups.setdefault(("alone", i) if policy == "exact" else (t.context, t.writer), []).append(i)
-    for key, members in groups.items():
+    for members in groups.values():
         engine.flush_cache()
         first = tasks[members[0]]
         if policy not in ("exact", "base"):
