@@ -38,7 +38,8 @@ LONGEST = ("test_fidelity.py::test_quick_fidelity_run",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[forkkv]",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[full_reuse]",
            "test_gguf.py::test_trained_agents_do_their_tasks", "test_readme.py::test_serving_example",
-           "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s")
+           "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s",
+           "test_replay.py::test_replay_a_host_tier_runs_32_pausing_prefix_workflows_half_again_as_fast")
 WORKERS = 2
 
 
