@@ -127,6 +127,12 @@ class DualRadixCache:
             out.append((self.res_tree, length, node))
         return out
 
+    def retire(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> None:
+        """Nothing will ask for the paths of `tokens` again, in any namespace a request of
+        `adapter_key` (writing `fanout_keys`' residuals) reads (`RadixTree.retire`)."""
+        for tree, _, node in self.match_all(tokens, adapter_key, fanout_keys):
+            tree.retire(node)
+
     def match_lengths(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list[int]:
         return [length for _, length, _ in self.match_all(tokens, adapter_key, fanout_keys)]
 

@@ -178,7 +178,7 @@ class Sessions:
             if s.ending:
                 self._end(seq.session_id)
                 if tokens is not None:  # the last request's path: nothing asks for it again
-                    PrefixHold(self.cache, tokens, seq.adapter_key, list(seq.fanout.values())).retire()
+                    self.cache.retire(tokens, seq.adapter_key, list(seq.fanout.values()))
             else:
                 s.idle_since = self.clock()
                 if seq.req.session_next_s is not None:

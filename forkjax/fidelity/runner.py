@@ -21,9 +21,13 @@ from forkjax.fidelity.tasks import FidelityTask, correct
 SLACK_TOKENS = 8  # generated past a given answer's length: room for the check to see it whole
 
 
+def target_of(task: FidelityTask, exact_ids: list[int]) -> list[int]:
+    """The positions a task compares: its answer, else exact's greedy output."""
+    return list(task.answer) if task.answer is not None else list(exact_ids)
+
+
 def targets_of(tasks: list[FidelityTask], exact: list[dict]) -> list[list[int]]:
-    """The positions each task compares: its answer, else exact's greedy output."""
-    return [list(t.answer) if t.answer is not None else e["ids"] for t, e in zip(tasks, exact)]
+    return [target_of(t, e["ids"]) for t, e in zip(tasks, exact)]
 
 
 def run_policy(engine, policy: str, tasks: list[FidelityTask], max_new_tokens: int,
@@ -52,9 +56,7 @@ def run_policy(engine, policy: str, tasks: list[FidelityTask], max_new_tokens: i
             else:  # a fixed count of positions to compare: no early stop
                 ids = engine.generate([t.prompt], adapters=[agent], fanout_adapters=fanout,
                                       max_new_tokens=max_new_tokens, ignore_eos=True)[0]
-            target = ids if targets is None and t.answer is None else (
-                list(t.answer) if targets is None else targets[i])
-            out[i] = _score(engine, t, agent, ids, target)
+            out[i] = _score(engine, t, agent, ids, target_of(t, ids) if targets is None else targets[i])
             if progress is not None:
                 progress.update(1)
     return out

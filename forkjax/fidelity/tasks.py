@@ -22,9 +22,6 @@ import json
 import re
 from collections.abc import Collection
 
-CHECKS = ("exact", "contains", "regex", "json")
-
-
 @dataclasses.dataclass(frozen=True)
 class FidelityTask:
     context: tuple[int, ...]  # token ids, BOS included when encoded from text
