@@ -9,11 +9,19 @@ Host share = (scheduling + input building + postprocessing) / step wall, the iss
 dispatch share (the jit call: argument transfers and kernel launches) is reported beside it.
 Prefill: one 8k-token prompt (4 chunks of 2048; 16 of 512 with --deterministic) to its first
 token.
+
+`--active 0,1,8,32,64`: the same decode (B = the largest of --batches) and prefill (--prefill-tokens
+cut into one prompt per adapter) with requests spread over K distinct adapters in device slots
+(K = 0: every request on the base model, the baseline), in one engine of max(K) + 1 slots (or
+--max-loras). `--swap`: the visible cost of writing an adapter into a slot: decode steps of B - 1
+requests, each step joined by a 16-token request whose adapter is on the host (a swap every step)
+against the same with the new requests' adapter resident.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -43,15 +51,18 @@ def param_bytes(engine) -> int:
     return total
 
 
-def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, bw: float):
+def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, bw: float,
+                 adapters=("agent",)):
+    """Decode steps of `batch` requests, request i on adapters[i % len(adapters)]."""
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch)]
+    names = [adapters[i % len(adapters)] for i in range(batch)]
     # Prefill once and keep the prompts cached; resubmitted, they all hit the cache and start
     # decoding together (otherwise the scheduler interleaves early decodes with later prefills
     # and every decode bucket below `batch` would be compiled and timed on the way).
-    engine.generate(prompts, adapters="agent", max_new_tokens=1)
+    engine.generate(prompts, adapters=names, max_new_tokens=1)
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
-    seqs = [engine.add_request(p, "agent", params) for p in prompts]
+    seqs = [engine.add_request(p, name, params) for p, name in zip(prompts, names)]
     while any(s.in_prefill or s.cache is None for s in seqs):
         engine.step()
     for _ in range(3):  # warm-up decode steps (compile)
@@ -77,16 +88,57 @@ def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig,
                 tokens_per_s=batch / step)
 
 
-def prefill_bench(engine, cfg: ModelConfig, n: int = 8192):
+_SEEDS = itertools.count()
+
+
+def prefill_bench(engine, cfg: ModelConfig, n: int = 8192, adapters=("agent",)):
+    """n prompt tokens to their first tokens: one prompt per adapter, n / len(adapters) each."""
     n = min(n, engine.max_model_len - 1)  # room for the one generated token
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-    engine.generate([prompt[: n // 2]], adapters="agent", max_new_tokens=1)  # compile the shapes
-    prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-    t = time.perf_counter()
-    engine.generate([prompt], adapters="agent", max_new_tokens=1)
+    each = n // len(adapters)
+    rng = np.random.default_rng(next(_SEEDS))  # prompts no earlier call cached
+    for timed in (False, True):  # the first pass compiles the shapes (other tokens: no hits)
+        prompts = [rng.integers(0, cfg.vocab_size, each).tolist() for _ in adapters]
+        t = time.perf_counter()
+        engine.generate(prompts, adapters=list(adapters), max_new_tokens=1)
     dt = time.perf_counter() - t
-    return dict(prompt_tokens=n, seconds=dt, tokens_per_s=n / dt)
+    return dict(prompt_tokens=each * len(adapters), seconds=dt, tokens_per_s=each * len(adapters) / dt)
+
+
+def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, host_adapters, resident):
+    """Decode steps that each admit a 16-token request on a host-only adapter (host_adapters
+    rotate through two free slots: a swap a step) against the same steps with the new requests
+    on `resident` (no swap): median step walls, the wall a swap adds, the swaps' counters."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch - 1)]
+    engine.generate(prompts, adapters="agent", max_new_tokens=1)
+    params = SamplingParams(max_new_tokens=3 * steps + 24, ignore_eos=True)
+    seqs = [engine.add_request(p, "agent", params) for p in prompts]
+    while any(s.in_prefill or s.cache is None for s in seqs):
+        engine.step()
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+
+    def timed(names):  # -> the steps' wall times, the first 4 (compiles) left out
+        walls = []
+        for name in names:
+            engine.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), name, one)
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+        return np.array(walls[4:])
+
+    timed([resident] * 4)
+    before = engine.stats()
+    swap = timed([host_adapters[i % len(host_adapters)] for i in range(steps + 4)])
+    after = engine.stats()
+    resident_walls = timed([resident] * (steps + 4))
+    for s in seqs:
+        engine.abort(s)
+    swaps = after["lora_swaps"] - before["lora_swaps"]
+    return dict(batch=batch, step_ms_swap=float(np.median(swap)) * 1e3,
+                step_ms_resident=float(np.median(resident_walls)) * 1e3,
+                visible_ms=float(swap.sum() - resident_walls.sum()) / max(swaps, 1) * 1e3, swaps=swaps,
+                image_MB=engine.writer.image_bytes(host_adapters[0]) / 1e6,
+                host_ms_per_swap=(after["lora_swap_wait_s"] - before["lora_swap_wait_s"]) / max(swaps, 1) * 1e3)
 
 
 def main():
@@ -105,10 +157,20 @@ def main():
                     help="programs the decode kernels' split-K heuristic aims for (default 1024)")
     ap.add_argument("--kv-cache-bytes", type=float, default=24e9,
                     help="KV pool budget (a smaller pool than the engine's default compiles faster)")
+    ap.add_argument("--active", help="comma list of distinct adapters active at once, e.g. 0,1,8,32,64: "
+                    "decode and prefill per count (0: the base model) instead of the default sections")
+    ap.add_argument("--max-loras", type=int, help="device adapter slots (default: max(--active) + 1, 8)")
+    ap.add_argument("--swap", action="store_true", help="the adapter swap section instead (4 slots, "
+                    "8 adapters on the host)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[args.model])
-    adapter = random_adapter("agent", cfg, 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)
+    active = [int(k) for k in args.active.split(",")] if args.active else []
+    qkvo = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapters = {f"a{i}": random_adapter(f"a{i}", cfg, 16, 32, qkvo, seed=2 + i)
+                for i in range(max(active, default=0) + (9 if args.swap else 0))}
+    adapters["agent"] = random_adapter("agent", cfg, 16, 32, qkvo, seed=1)
+    max_loras = args.max_loras or (4 if args.swap else max(8, max(active, default=0) + 1))
     if args.target_programs:  # read when the steps are traced, i.e. after this
         triton_attention._TARGET_PROGRAMS = args.target_programs
     # Bytes read + written per second, timed with CUPTI as the kernels are (a wall-clock pass
@@ -116,7 +178,7 @@ def main():
     # nothing else.
     bw = timing.copy_bandwidth()[0]
     t = time.perf_counter()
-    engine = forkjax.Engine.from_pretrained(args.model, adapters={"agent": adapter},
+    engine = forkjax.Engine.from_pretrained(args.model, adapters=adapters, max_loras=max_loras,
                                             cache_policy=args.policy,
                                             max_batch_size=max(64, *batches),
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
@@ -136,6 +198,26 @@ def main():
             json.dump(result, f, indent=1)
 
     save("load_s")
+    if args.swap:
+        result["swap"] = swap_bench(engine, max(batches), args.context, args.steps, cfg,
+                                    [f"a{i}" for i in range(1, 9)], "a0")
+        return save("swap")
+    if active:
+        result["active"] = []
+        for k in active:
+            names = [f"a{i}" for i in range(k)] or [None]
+            row = dict(active=k, max_loras=max_loras,
+                       decode=decode_bench(engine, max(batches), args.context, args.steps, cfg, bw, names),
+                       prefill=prefill_bench(engine, cfg, args.prefill_tokens, names))
+            # over the same steps with every request on the base model (the same prompts' split)
+            row["prefill_base"] = prefill_bench(engine, cfg, args.prefill_tokens, [None] * len(names))
+            row["prefill_ratio"] = row["prefill"]["seconds"] / row["prefill_base"]["seconds"]
+            base = result["active"][0] if result["active"] and result["active"][0]["active"] == 0 else None
+            if base:
+                row["decode_ratio"] = row["decode"]["step_ms"] / base["decode"]["step_ms"]
+            result["active"].append(row)
+            save("active")
+        return
     for b in batches:
         t = time.perf_counter()
         result["decode"].append(decode_bench(engine, b, args.context, args.steps, cfg, bw))

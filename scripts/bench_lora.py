@@ -2,8 +2,10 @@
 
 For T tokens spread evenly over N adapter slots, rank R, d_in -> d_out in bf16: the median time of
 the base matmul x·Wᵀ, of LoRA shrink+expand as a grouped GEMM (`jax.lax.ragged_dot`, XLA's and
-JAX's Pallas lowering), and of the dense one-hot formulation `forkjax.lora.batched` uses (every
-token through every slot, 2·N·T·R·(d_in+d_out) FLOPs). Writes JSON lines to --out.
+JAX's Pallas lowering), of the dense one-hot formulation `forkjax.lora.batched` uses (every
+token through every slot, 2·N·T·R·(d_in+d_out) FLOPs), and of the whole projection as the
+model runs it (`fused`: the N·R A rows appended to W, one GEMM, then the one-hot expand), to set
+beside the base matmul plus a grouped LoRA. Writes JSON lines to --out.
 """
 
 import argparse
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.lora.batched import lora_expand, lora_shrink
+from forkjax.lora.batched import lora_expand, lora_shrink, slot_rows
 
 
 def bench(f, *args, reps=50):
@@ -63,11 +65,19 @@ def onehot(x, a, b, gs):
     return lora_expand(lora_shrink(x, a, gs), b)
 
 
+@jax.jit
+def fused(x, wa, b, gs):
+    """x [T, d_in], wa [d_out + N·R, d_in] (W, then every slot's A^T as rows), b [N, R, d_out]."""
+    n, r, d_out = b.shape
+    y = base(x, wa)
+    return y[:, :d_out] + lora_expand(slot_rows(y[:, d_out:].reshape(-1, n, r), gs), b)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_lora.jsonl")
     p.add_argument("--tokens", default="64,2048,8192", help="T values, comma-separated (%(default)s)")
-    p.add_argument("--slots", default="1,8", help="N values, comma-separated (%(default)s)")
+    p.add_argument("--slots", default="1,8,32,64", help="N values, comma-separated (%(default)s)")
     args = p.parse_args()
     key = jax.random.key(0)
     rows = []
@@ -82,7 +92,9 @@ def main():
                 gs = jnp.full((n,), t // n, jnp.int32)
                 row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out, device=jax.devices()[0].device_kind,
                            base_us=bench(base, x, w), grouped_us=bench(grouped, x, a, b, gs),
-                           onehot_us=bench(onehot, x, a.transpose(0, 2, 1), b, gs))  # [N, R, d_in]
+                           onehot_us=bench(onehot, x, a.transpose(0, 2, 1), b, gs),  # [N, R, d_in]
+                           fused_us=bench(fused, x, jnp.concatenate([w, a.transpose(0, 2, 1).reshape(n * r, d_in)]),
+                                          b, gs))
                 if jax.default_backend() == "gpu":
                     row["grouped_pallas_us"] = bench(grouped_pallas, x, a, b, gs)
                 rows.append(row)

@@ -12,6 +12,9 @@
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
 #   tiers   the host tier's copies (pinned host memory) and engine     tiers.log          ~5 min
 #           outputs, adapter swapping
+#   adapters  bench_lora.py (T 64/2k/8k x N 1-128 slots), bench_engine.py --swap and      adapters/  ~6 min
+#           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
+#   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
 #   host    host tier copy rates (bench_host_tier.py, 64 MB and 1 GB)  host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
@@ -89,6 +92,21 @@ for stage in "$@"; do
             timeout 300 python3 scripts/bench_serving.py $shape ${flags//_/ } --out "$OUT/$stage/$name" \
                 > "$OUT/$stage/$name.log" 2>&1
             echo "$stage $name: rc=$? $(tail -1 "$OUT/$stage/$name.log")"
+        done ;;
+    adapters | active)
+        mkdir -p "$OUT/adapters"
+        if [ "$stage" = adapters ]; then
+            timeout 150 python3 scripts/bench_lora.py --tokens 64,2048,8192 --slots 1,8,32,64,128 \
+                --out "$OUT/adapters/bench_lora.jsonl" > "$OUT/adapters/bench_lora.log" 2>&1
+            echo "bench_lora: rc=$?"
+            specs="noslots:--active_0_--max-loras_1 swap:--swap"
+        else
+            specs="active:--active_0,1,8,32,64"
+        fi
+        for spec in $specs; do
+            name=${spec%%:*} flags=${spec#*:}
+            run 400 adapters/$name.log python3 scripts/bench_engine.py --policy prefix --batches 64 \
+                --steps ${ENGINE_STEPS:-12} ${flags//_/ } --out "$OUT/adapters/$name.json"
         done ;;
     host)
         timeout 200 python3 scripts/bench_host_tier.py --out "$OUT/host_tier.json" > "$OUT/host_tier.log" 2>&1

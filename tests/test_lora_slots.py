@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.config import ModelConfig
-from forkjax.lora.slots import _projection, lora_modules, slot_rank, write_slot
+from forkjax.lora.slot_writer import write_slot
+from forkjax.lora.slots import _projection, lora_modules, slot_rank
 from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import BUILTIN_CONFIGS, load_builtin, random_adapter
 
@@ -45,3 +46,26 @@ def test_write_slot_touches_only_its_rows():
     for key, (w, b) in _arrays(model).items():  # unloaded: as loaded
         np.testing.assert_array_equal(w, before[key][0])
         np.testing.assert_array_equal(b, before[key][1])
+
+
+def test_slot_writer_images_are_pinned_and_follow_the_weights():
+    """A registered adapter's slot image waits in pinned host memory; a write replaces exactly
+    the parameters it returns; an adapter reloaded under its name with other weights is written
+    with the new weights, not the old image."""
+    from forkjax.lora.slot_writer import SlotWriter
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-qwen2"])
+    _, model = load_builtin("tiny-qwen2", num_slots=3, rank=8, dtype=jnp.float32)
+    writer = SlotWriter(model)
+    old = random_adapter("agent", cfg, 8, 16, ("q_proj", "o_proj"), seed=1)
+    writer.prepare(model, old)
+    image = writer._images["agent"][1]
+    assert sorted(image) == ["o_proj", "q_proj"]
+    assert all(x.sharding.memory_kind == "pinned_host" for pair in image.values() for x in pair)
+    assert writer.image_bytes("agent") == sum(x.nbytes for pair in image.values() for x in pair)
+    pairs = writer.write(model, 2, old)
+    assert len(pairs) == len(writer._vars) and all(o is not n for o, n in pairs)
+    new = random_adapter("agent", cfg, 8, 16, ("q_proj", "o_proj"), seed=2)
+    writer.write(model, 2, new)
+    proj = _projection(model, 1, "q_proj")
+    start = proj.a_rows("q_proj", 2)
+    np.testing.assert_array_equal(np.asarray(proj.weight[...])[start:start + 8], new.weights[(1, "q_proj")][0].T)

@@ -101,6 +101,7 @@ class Engine(EngineCore):
         self.slots.check(name)  # KeyError for an unknown name, before anything changes
         self._drain(name)
         self.slots.remove(name)
+        self.writer.forget(name)
 
     def _drain(self, name: str):
         """Step until no request runs on adapter `name` or writes its residual (fan-out): its
@@ -112,6 +113,7 @@ class Engine(EngineCore):
     def _install(self, adapter: LoraAdapter, pinned: bool = False):
         """Register `adapter`; it takes a device slot now if one is free or it is pinned."""
         self.slots.add(adapter, pinned)
+        self.writer.prepare(self.model, adapter)
         if pinned or len(self.slots.slot_by_name) < self.slots.num_slots - 1:
             while (writes := self.slots.acquire([adapter.name], self.scheduler.busy_adapters)) is None:
                 self.step()  # every unpinned slot is in use: until one is free

@@ -33,7 +33,8 @@ from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
-from forkjax.lora.slots import AdapterSlots, slot_rank, write_slot
+from forkjax.lora.slot_writer import SlotWriter
+from forkjax.lora.slots import AdapterSlots, slot_rank
 
 
 class EngineCore:
@@ -50,6 +51,7 @@ class EngineCore:
                                  model_cfg.max_position_embeddings)
         on_gpu = jax.default_backend() == "gpu"
         self.slots = AdapterSlots(cfg.max_loras, cfg.max_cpu_loras)
+        self.writer = SlotWriter(model)  # the adapters' slot images, in pinned host memory
         rank = self.max_lora_rank = slot_rank(model)
         limit, in_use = memory.device_memory()
         max_batch = cfg.max_batch_size or memory.default_max_batch_size(on_gpu, limit)
@@ -202,8 +204,7 @@ class EngineCore:
         step in flight keeps the weights it was launched with (JAX orders the donated update
         after it), and no request in it uses these slots (acquire keeps running ones')."""
         for slot, adapter in writes:
-            write_slot(self.model, slot, adapter)
-        self.runner.set_model(self.model)
+            self.runner.replace_params(self.writer.write(self.model, slot, adapter))
 
     def _finish_inflight(self) -> list[Sequence]:
         if self._inflight is None:

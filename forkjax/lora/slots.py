@@ -1,18 +1,13 @@
 """Adapter slots on the device: N stacked LoRA weights per projection, slot 0 the bare base model,
 and the loaded adapters on the host that take them (vLLM's `max_loras` / `max_cpu_loras`).
 
-Writing an adapter into a slot writes its (zero-padded) A and B into that slot of every targeted
-projection and zeros into the others, so a slot always holds exactly one adapter's function.
+Where the slots lie in the model (`slot_rank`, `lora_modules`, `check_fits`); slot_writer.py
+writes adapters into them.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.targets import BLOCK, STACKED, TARGETS
@@ -36,13 +31,6 @@ def lora_modules(model) -> tuple[str, ...]:
     return tuple(m for m in TARGETS if m in _projection(model, 0, m).lora)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_rows(w, rows, start):
-    """w[start : start + len(rows)] = rows, in place (w [X, ...] donated: a stacked projection's
-    weight is up to a few hundred MB, and a copy per write would hold two models at once)."""
-    return jax.lax.dynamic_update_slice_in_dim(w, rows.astype(w.dtype), start, axis=0)
-
-
 def check_fits(model, adapter: LoraAdapter):
     """ValueError unless `adapter` fits the slots of `model` (rank and targeted projections)."""
     rank_cap = slot_rank(model)
@@ -53,28 +41,6 @@ def check_fits(model, adapter: LoraAdapter):
     if missing:
         raise ValueError(f"adapter {adapter.name!r} targets {missing}, but this engine has LoRA "
                          f"slots only on {list(modules)} (lora_target_modules is set at start)")
-
-
-def write_slot(model, slot: int, adapter: LoraAdapter | None):
-    """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`."""
-    if slot == BASE_SLOT and adapter is not None:
-        raise ValueError("slot 0 is reserved for the bare base model")
-    if adapter is not None:
-        check_fits(model, adapter)  # before anything is overwritten
-    modules = lora_modules(model)
-    for layer in range(len(model.layers)):
-        for module in modules:
-            proj = _projection(model, layer, module)
-            w, b_all = proj.weight, proj.lora_b[module]
-            rank = proj.slots[1]
-            a = np.zeros((rank, w.get_value().shape[1]), np.float32)  # A^T: R rows of the weight
-            b = np.zeros((1,) + b_all.shape[1:], np.float32)
-            if adapter is not None and (layer, module) in adapter.weights:
-                wa, wb = adapter.weights[(layer, module)]  # [in, r], [r, out]
-                a[:wa.shape[1]] = wa.T
-                b[0, :wb.shape[0]] = wb
-            w.set_value(_set_rows(w.get_value(), jnp.asarray(a), proj.a_rows(module, slot)))
-            b_all.set_value(_set_rows(b_all.get_value(), jnp.asarray(b), slot))
 
 
 class AdapterSlots:

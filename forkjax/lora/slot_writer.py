@@ -1,0 +1,119 @@
+"""Writing adapters into device slots: one transfer and one program a swap.
+
+An adapter's slot image, its A^T [L, R, d_in] and B [L, R, d_out] per projection it targets, in
+the model's dtype and zero-padded to the slots' rank R, is made once, when the adapter is
+registered, and kept in pinned host memory (jax memory kind `pinned_host`), so a swap does no
+host arithmetic: `jax.device_put` starts the image's copy to the device (from pinned memory at
+the link's rate, ~49 GB/s on the H200 against 4-7 GB/s from pageable numpy; ~27 MB for a
+rank-16 q/k/v/o adapter of Llama-3-8B), and one jitted program that donates every LoRA
+projection's weight and B writes it into the slot's rows in place (zeros into the projections
+the adapter does not target, so a slot holds exactly one adapter's function). Both are
+dispatched, not waited for: the copy runs beside the step in flight, and the write, ordered
+after that step by the donation, before the next one (JAX orders work on a buffer by dispatch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from forkjax.lora.peft import LoraAdapter
+from forkjax.lora.slots import BASE_SLOT, _projection, check_fits, lora_modules, slot_rank
+
+
+@functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))
+def _write(weights, bs, image, slot, plan):
+    """weights (every LoRA projection's stacked weight) and bs (every B [N, R, out]) with the
+    slot's rows replaced: `plan` holds per module (name, in the image, its slot-0 A row, weight
+    index and B index of each layer); image {module: (A^T [L, R, in], B [L, R, out])}."""
+    weights, bs = list(weights), list(bs)
+    for module, present, first_row, w_ids, b_ids in plan:
+        for layer, (wi, bi) in enumerate(zip(w_ids, b_ids)):
+            w, b = weights[wi], bs[bi]
+            r = b.shape[1]
+            a_rows = image[module][0][layer] if present else jnp.zeros((r, w.shape[1]), w.dtype)
+            b_rows = image[module][1][layer] if present else jnp.zeros(b.shape[1:], b.dtype)
+            weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype), first_row + slot * r, 0)
+            bs[bi] = jax.lax.dynamic_update_slice_in_dim(b, b_rows.astype(b.dtype)[None], slot, 0)
+    return tuple(weights), tuple(bs)
+
+
+class SlotWriter:
+    """The slot images of the registered adapters (by name) and the program that writes one
+    into a device slot of `model`'s LoRA projections."""
+
+    def __init__(self, model, device=None):
+        self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), len(model.layers)
+        device = device or jax.devices()[0]
+        self._host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        self._images: dict[str, tuple[str, dict]] = {}  # name -> (content hash, image)
+        # The variables a write replaces (every LoRA projection's stacked weight, then every B)
+        # and the program's plan, fixed by the model's structure.
+        weights, bs, plan, ids = [], [], [], {}  # ids: id of a stacked projection -> its index
+        for module in self.modules:
+            w_ids, b_ids = [], []
+            for layer in range(self.layers):
+                proj = _projection(model, layer, module)
+                if id(proj) not in ids:
+                    ids[id(proj)] = len(weights)
+                    weights.append(proj.weight)
+                w_ids.append(ids[id(proj)])
+                b_ids.append(len(bs))
+                bs.append(proj.lora_b[module])
+            plan.append((module, _projection(model, 0, module).a_rows(module, 0), tuple(w_ids), tuple(b_ids)))
+        self._vars, self._num_weights, self._plan = weights + bs, len(weights), tuple(plan)
+
+    def image_bytes(self, name: str) -> int:
+        """Bytes of a registered adapter's slot image (what a swap copies)."""
+        return sum(a.nbytes + b.nbytes for a, b in self._images[name][1].values())
+
+    def prepare(self, model, adapter: LoraAdapter) -> None:
+        """Make `adapter`'s slot image (replacing one of its name) in pinned host memory."""
+        check_fits(model, adapter)
+        image = {}
+        for module in sorted(adapter.targets):
+            proj = _projection(model, 0, module)
+            d_in, d_out = proj.weight.get_value().shape[1], proj.lora_b[module].get_value().shape[2]
+            a = np.zeros((self.layers, self.rank, d_in), np.float32)
+            b = np.zeros((self.layers, self.rank, d_out), np.float32)
+            for layer in range(self.layers):
+                if (layer, module) in adapter.weights:
+                    wa, wb = adapter.weights[(layer, module)]  # [in, r], [r, out]
+                    a[layer, :wa.shape[1]] = wa.T
+                    b[layer, :wb.shape[0]] = wb
+            dtype = proj.weight.get_value().dtype  # ml_dtypes rounds to nearest even, as XLA does
+            image[module] = jax.device_put((a.astype(dtype), b.astype(dtype)), self._host)
+        self._images[adapter.name] = (adapter.content_hash, image)
+
+    def forget(self, name: str) -> None:
+        self._images.pop(name, None)
+
+    def write(self, model, slot: int, adapter: LoraAdapter | None) -> list[tuple]:
+        """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`
+        (dispatched; the image is made first if `adapter` was not prepared). -> [(old array,
+        new array)] of the parameters replaced (the old ones are donated)."""
+        if slot == BASE_SLOT and adapter is not None:
+            raise ValueError("slot 0 is reserved for the bare base model")
+        image = {}
+        if adapter is not None:
+            if self._images.get(adapter.name, (None,))[0] != adapter.content_hash:
+                self.prepare(model, adapter)
+            image = jax.device_put(self._images[adapter.name][1], self._device)
+        plan = tuple((module, module in image, *rest) for module, *rest in self._plan)
+        # The raw values: get_value / set_value copy through a tree map, ~25 µs a variable
+        old = [v.get_raw_value() for v in self._vars]
+        k = self._num_weights
+        new_w, new_b = _write(tuple(old[:k]), tuple(old[k:]), image, jnp.int32(slot), plan)
+        for v, value in zip(self._vars, new_w + new_b):
+            v.set_raw_value(value)
+        return list(zip(old, new_w + new_b))
+
+
+def write_slot(model, slot: int, adapter: LoraAdapter | None) -> None:
+    """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`, once
+    (an engine keeps a `SlotWriter`, whose images outlive a write)."""
+    SlotWriter(model).write(model, slot, adapter)
