@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from forkjax.cache.host_pool import HostBudget, HostPagePool, bucket
+from forkjax.cache.host_pool import MAX_BLOCK_BYTES, HostBudget, HostPagePool, block_sizes
 
 L, HKV, S, D, R = 2, 2, 4, 8, 4
 LAYOUTS = {  # pool shape with P pages, page axis
@@ -106,6 +106,30 @@ def test_a_store_reads_pages_before_a_load_of_the_same_round_overwrites_them():
     pool.check()
 
 
-def test_bucket_sizes():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 9, 64, 65)] == [1, 2, 4, 4, 8, 16, 64, 128]
+def test_block_sizes():
+    assert block_sizes(13, 64) == [8, 4, 1] and block_sizes(64, 64) == [64]
+    assert block_sizes(150, 64) == [64, 64, 16, 4, 2] and block_sizes(3, 1) == [1, 1, 1]
+    assert HostPagePool(2, 2 << 20, HostBudget(0)).max_block == MAX_BLOCK_BYTES // (2 << 20)
+    assert HostPagePool(2, 3 << 20, HostBudget(0)).max_block == 128  # a power of two, in the bound
+    assert HostPagePool(2, 1, HostBudget(0), device_pages=100).max_block == 64
     assert jax.devices()[0].addressable_memories()  # the platform names its memory kinds
+
+
+def test_large_stores_in_blocks_of_at_most_max_block_and_warmup_keeps_the_pool():
+    """A store past max_block pages is cut into max_block blocks and the rest's binary digits;
+    a partial load of a block writes only its pages (the rest into the sink page 0); warmup
+    compiles every block size's programs and leaves every page but the sink as it was."""
+    shape, axis = LAYOUTS["base"]
+    k, v = random_pool(shape(32), 0)
+    want_k = np.asarray(k, np.float32)
+    pool = HostPagePool(axis, 2 * k.nbytes // 32, HostBudget(1 << 20))
+    pool.max_block = 4
+    k, v = pool.warmup(k, v)
+    assert np.array_equal(page(k, axis, range(1, 32)), np.take(want_k, range(1, 32), axis=axis))
+    ids = pool.store(np.arange(1, 12, dtype=np.int32))  # 11 pages: 4, 4, 2, 1
+    assert [b.nbytes // pool.page_bytes for b in pool._blocks.values()] == [4, 4, 2, 1]
+    k, v = pool.execute(k, v)
+    pool.load(ids[[5, 0, 9]], np.array([20, 21, 22], np.int32))  # pages 6, 1, 10 of three blocks
+    k2, _ = pool.execute(*random_pool(shape(32), 1))
+    assert np.array_equal(page(k2, axis, [20, 21, 22]), np.take(want_k, [6, 1, 10], axis=axis))
+    pool.check()

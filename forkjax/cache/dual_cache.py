@@ -46,9 +46,9 @@ class DualRadixCache:
         self.host_pools: tuple[HostPagePool | None, HostPagePool | None] = (None, None)
         if self.host_budget is not None:  # page axes: base [L, Hkv, P, S, D], residual [L, P, S, R]
             self.host_pools = tuple(
-                None if tree is None else HostPagePool(axis, page_bytes, self.host_budget)
-                for tree, axis, page_bytes in ((self.base_tree, 2, base_page_bytes),
-                                               (self.res_tree, 1, res_page_bytes)))
+                None if tree is None else HostPagePool(axis, page_bytes, self.host_budget, device_pages=pages)
+                for tree, axis, page_bytes, pages in ((self.base_tree, 2, base_page_bytes, base_pages),
+                                                      (self.res_tree, 1, res_page_bytes, res_pages)))
             for tree, host in zip((self.base_tree, self.res_tree), self.host_pools):
                 if tree is not None:
                     tree.attach_host(host)

@@ -4,21 +4,21 @@ pinned host memory (jax memory kind `pinned_host`), and copied into device pages
     base pool      K, V [L, Hkv, P, S, D]   page axis 2
     residual pool  K, V [L, P, S, R]        page axis 1
 
-Pages move in blocks: a store of n pages cuts them into blocks of n's binary digits (13 pages:
-8, 4 and 1), gathers each into one contiguous device buffer (a jitted gather) and copies it to
-the host in one transfer; a block stays as it is until every page of it is freed. Block sizes
-are powers of two, so the programs are few and no host byte is padding. A load copies each
-block it needs back whole, then scatters the pages it wants into their device pages (a jitted
-scatter that donates the pool). One large copy each
-way is what runs near the link's rate: on the H200 a 1 GB `pinned_host` array moves at ~49 GB/s
-each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
+Pages move in blocks: a store of n pages cuts them into blocks of at most `max_block` pages
+(`MAX_BLOCK_BYTES`) and the rest into blocks of its binary digits (13 pages: 8, 4 and 1),
+gathers each into one contiguous device buffer (a jitted gather) and copies it to the host in
+one transfer; a block stays as it is until every page of it is freed. Block sizes are powers of
+two up to `max_block`, so the programs are few (`warmup` compiles them all) and no host byte is
+padding. A load copies each block it needs back whole, then scatters its pages into their
+device pages, those it does not want into the sink page 0 (a jitted scatter that donates the
+pool: one program a block size, and device-local bytes are cheap beside the link's). Large
+copies are what run near the link's rate: on the H200 a 1 GB `pinned_host` array moves at ~49
+GB/s each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
 
 Every copy is dispatched, not waited for (`execute`, before a step): the gather reads the pool as
 the steps dispatched before it left it, and the scatter's pool is the one the next step reads,
 so a page is never read before its copy lands nor overwritten before its store has read it (JAX
-orders work on a buffer by dispatch), and the copies overlap the steps in flight. A load's page
-count is padded to a power of two (padding scatters into the sink page 0).
-
+orders work on a buffer by dispatch), and the copies overlap the steps in flight. 
 Host page ids are this pool's own (1, 2, ...; 0 is never one). The bytes of live blocks count
 against a `HostBudget` that the pools of one cache share.
 """
@@ -65,9 +65,15 @@ class HostBudget:
         return self.capacity - self.used
 
 
-def bucket(n: int) -> int:
-    """The power of two >= n that a load of n pages is padded to."""
-    return 1 << max(0, n - 1).bit_length()
+# Blocks of 64 MiB copy at ~30 GB/s on the H200, of 1 GiB at ~50 (BENCHMARKS.md, Host tier).
+MAX_BLOCK_BYTES = 512 << 20
+
+
+def block_sizes(n: int, max_block: int) -> list[int]:
+    """The blocks a store of n pages is cut into: max_block (a power of two) pages while n
+    allows, then the binary digits of the rest, largest first."""
+    full, rest = divmod(n, max_block)
+    return [max_block] * full + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
 @functools.cache
@@ -105,8 +111,11 @@ class HostPagePool:
     `execute` runs in call order on the pools before the next step. A store of pages that a load
     of the same round then overwrites has read them first."""
 
-    def __init__(self, axis: int, page_bytes: int, budget: HostBudget, device=None):
+    def __init__(self, axis: int, page_bytes: int, budget: HostBudget, device=None,
+                 device_pages: int | None = None):
         self.axis, self.page_bytes, self.budget = axis, page_bytes, budget
+        most = max(1, min(MAX_BLOCK_BYTES // page_bytes, device_pages or MAX_BLOCK_BYTES))
+        self.max_block = 1 << (most.bit_length() - 1)  # no store is larger than the device pool
         device = device or jax.devices()[0]
         self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self._host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -139,10 +148,7 @@ class HostPagePool:
             raise MemoryError(f"a store of {n} pages needs {nbytes} host bytes, {self.budget.free} free")
         ids = np.arange(self._next_page, self._next_page + n, dtype=np.int64)
         start = 0
-        for bit in reversed(range(n.bit_length())):
-            size = 1 << bit
-            if not n & size:
-                continue
+        for size in block_sizes(n, self.max_block):
             block = _Block(size * self.page_bytes, size)
             self._blocks[self._next_block] = block
             self._queue.append(("store", block, pages[start:start + size]))
@@ -162,8 +168,9 @@ class HostPagePool:
             block, offset = self._where[i]
             by_block.setdefault(block, []).append((offset, d))
         for block, pairs in by_block.items():
-            idx = np.zeros((2, bucket(len(pairs))), np.int32)
-            idx[:, : len(pairs)] = np.asarray(pairs, np.int32).T
+            size = self._blocks[block].nbytes // self.page_bytes
+            idx = np.stack([np.arange(size, dtype=np.int32), np.zeros(size, np.int32)])  # all to the sink
+            idx[1, [offset for offset, _ in pairs]] = [d for _, d in pairs]
             self._queue.append(("load", self._blocks[block], idx))
         self.bytes_loaded += len(ids) * self.page_bytes
 
@@ -179,6 +186,17 @@ class HostPagePool:
                 self.load_stall_s += time.perf_counter() - t
         self._queue.clear()
         return k, v
+
+    def warmup(self, k, v):
+        """Compile (by running them on the sink page 0) the store and load programs of every
+        block size, so that no copy waits for a compile; returns the pool (k, v), donated."""
+        size = 1
+        while size <= self.max_block:
+            pages = jnp.zeros(size, jnp.int32)
+            block = jax.device_put(_gather_to(self._host)(k, v, pages, self.axis), self._device)
+            k, v = _scatter(k, v, *block, jnp.arange(size, dtype=jnp.int32), pages, self.axis)
+            size *= 2
+        return jax.block_until_ready((k, v))
 
     def drop_queue(self) -> list[tuple[str, int]]:
         """Forget the queued copies; -> [(op, bytes)] of each, "store" or "load" (a load moves

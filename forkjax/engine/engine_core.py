@@ -89,7 +89,8 @@ class EngineCore:
             raise ValueError(f"warmup={warmup!r}: expected True, False or 'background'")
         if warmup:
             t = time.perf_counter()
-            self.runner.warmup(progress, compile_workers, background=warmup == "background")
+            self.runner.warmup(progress, compile_workers, background=warmup == "background",
+                               host_pools=self.cache.host_pools)
             self.warmup_s = time.perf_counter() - t
 
     # ---- lifetime ---------------------------------------------------------------------------

@@ -216,11 +216,14 @@ class ModelRunner:
             leaves[where[id(old)]] = new
         self.state_leaves = leaves
 
-    def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
+    def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False,
+               host_pools=(None, None)):
         """Compile every bucket's step (compiler.py): now, XLA's compiles on `workers` threads
         (default: the host's cores), or with `background` on threads of their own (default: all
         cores but one) while the engine serves, in the order a first request needs them: one
-        request's shapes first, then larger batches."""
+        request's shapes first, then larger batches. Now, not in the background, also the host
+        tier's copies of `host_pools` (base, residual; they run on the pools, which a serving
+        step donates: in the background they compile when first needed)."""
         items = [(self._key(kind, b, c, w, False, False, self.fanout), self._lowering(kind, b, c, w))
                  for kind, b, c, w in sorted(self.buckets.all(), key=lambda s: (s[3], s[1], s[2]))]
         cores = os.cpu_count() or 1
@@ -241,6 +244,13 @@ class ModelRunner:
             jax.block_until_ready(_sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
                                                  sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
+        base, res = host_pools
+        if base is not None:
+            k, v = base.warmup(self.pools.base_k, self.pools.base_v)
+            self.pools = self.pools._replace(base_k=k, base_v=v)
+        if res is not None:
+            k, v = res.warmup(self.pools.res_k, self.pools.res_v)
+            self.pools = self.pools._replace(res_k=k, res_v=v)
         self.warm = True
 
     def stop_warmup(self):
