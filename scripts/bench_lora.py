@@ -5,10 +5,13 @@ the base matmul x·Wᵀ, of LoRA shrink+expand as a grouped GEMM (`jax.lax.ragge
 JAX's Pallas lowering), of the dense one-hot formulation `forkjax.lora.batched` uses (every
 token through every slot, 2·N·T·R·(d_in+d_out) FLOPs), and of the whole projection as the
 model runs it (`fused`: the N·R A rows appended to W, one GEMM, then the one-hot expand), to set
-beside the base matmul plus a grouped LoRA. Writes JSON lines to --out.
+beside the base matmul plus a grouped LoRA: `ragged_dot` or the SGMV kernels
+(`forkjax.pallas_kernels.sgmv`, GPU only: each token against its own slot). Writes JSON lines to
+--out.
 """
 
 import argparse
+import functools
 import json
 import time
 
@@ -16,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.lora.batched import lora_expand, lora_shrink, slot_rows
+from forkjax.lora.batched import lora_expand, lora_shrink, slot_rows, slots_from_group_sizes
+from forkjax.pallas_kernels.sgmv.triton import SgmvConfig, sgmv_expand, sgmv_shrink
 
 
 def bench(f, *args, reps=50):
@@ -73,6 +77,12 @@ def fused(x, wa, b, gs):
     return y[:, :d_out] + lora_expand(slot_rows(y[:, d_out:].reshape(-1, n, r), gs), b)
 
 
+@functools.partial(jax.jit, static_argnums=4)
+def sgmv(x, a, b, slots, config):
+    """x [T, d_in], a [N, R, d_in], b [N, R, d_out], slots [T] -> each token's x·A_s·B_s."""
+    return sgmv_expand(sgmv_shrink(x, a, slots, config), b, slots, config)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_lora.jsonl")
@@ -97,6 +107,8 @@ def main():
                                           b, gs))
                 if jax.default_backend() == "gpu":
                     row["grouped_pallas_us"] = bench(grouped_pallas, x, a, b, gs)
+                    row["sgmv_us"] = bench(sgmv, x, a.transpose(0, 2, 1), b, slots_from_group_sizes(gs, t),
+                                           SgmvConfig.for_shapes(d_in, d_out))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

@@ -6,7 +6,8 @@ CPU, on synthetic directories this script generates (seeded).
 
 Two sets: `<role>` (own A and B) and `shared-a/<role>` (one frozen random A shared by every role,
 each its own B: LRAgent's BaseLRShared setting, for `cache_policy="lrshared"`). Rank 8 on
-q/k/v/o (alpha 16), saved in PEFT format in bfloat16. Loss is on the answer tokens only. Each
+q/k/v/o (alpha 16; `--targets q_proj,v_proj` for LRAgent's setting), saved in PEFT format in
+bfloat16. Loss is on the answer tokens only. Each
 adapter's accuracy on held-out tasks (greedy, transformers) goes to OUT/train.json.
 """
 
@@ -72,7 +73,7 @@ def accuracy(model, tok, role: str, rng: np.random.Generator, n: int, records: t
 def train_one(base, tok, role: str, shared_a: dict | None, args, seed: int) -> dict:
     import peft
     torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS,
+    cfg = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=args.targets,
                           lora_dropout=0.0)
     model = peft.get_peft_model(base, cfg)
     if shared_a is not None:  # one frozen A for every role
@@ -105,7 +106,7 @@ def train_one(base, tok, role: str, shared_a: dict | None, args, seed: int) -> d
     model.save_pretrained(out)
     os.remove(os.path.join(out, "README.md"))  # PEFT's empty model card
     _to_bfloat16(os.path.join(out, "adapter_model.safetensors"))
-    result = dict(role=role, shared_a=shared_a is not None, steps=args.steps, batch=args.batch,
+    result = dict(role=role, shared_a=shared_a is not None, targets=args.targets, steps=args.steps, batch=args.batch,
                   lr=args.lr, records=args.records, seed=seed,
                   final_loss=float(np.mean(losses[-10:])), heldout_accuracy=acc,
                   train_s=time.perf_counter() - t0)
@@ -125,6 +126,8 @@ def main():
     ap.add_argument("--roles", default=",".join(tasks.ROLES))
     ap.add_argument("--sets", default="own,shared-a")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", type=lambda s: s.split(","), default=TARGETS,
+                    help="projections LoRA targets, comma-separated (q_proj,k_proj,v_proj,o_proj)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -142,7 +145,7 @@ def main():
         import peft
         torch.manual_seed(args.seed + 99)
         probe = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
-                                                          target_modules=TARGETS))
+                                                          target_modules=args.targets))
         shared = {n: p.detach().clone() for n, p in probe.named_parameters() if "lora_A" in n}
         probe.unload()
     results = []
