@@ -44,7 +44,7 @@ def round_trip(pool: HostPagePool, k, v, pages: np.ndarray):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3.1-8b-random")
-    ap.add_argument("--pages", default="32,512", help="pages per store (8B: 2 MiB a page)")
+    ap.add_argument("--pages", default="1,4,32,256", help="pages per store (8B: 2 MiB a page; a block is at most 256)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="host_tier.json")
     args = ap.parse_args()

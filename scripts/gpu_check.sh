@@ -15,7 +15,7 @@
 #   adapters  bench_lora.py (T 64/2k/8k x N 1-128 slots), bench_engine.py --swap and      adapters/  ~6 min
 #           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
 #   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
-#   host    host tier copy rates (bench_host_tier.py, 64 MB and 1 GB)  host_tier.json   ~1 min
+#   host    host tier copy rates (bench_host_tier.py, 2 MB to 512 MB)   host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
 #   online  the same at Poisson rates $SERVING_RATES (req/s, 512 requests each)   online/   ~1 min a rate

@@ -174,11 +174,13 @@ class Sessions:
                 old.release()
             s.holds[seq.adapter_key] = PrefixHold(self.cache, tokens, seq.adapter_key,
                                                   list(seq.fanout.values()))
+        if s.ending and tokens is not None:
+            # Nothing asks for this path again, whichever of the session's last requests (they
+            # may run at once) it is: the parts no live request locks are retired.
+            self.cache.retire(tokens, seq.adapter_key, list(seq.fanout.values()))
         if s.live == 0:
             if s.ending:
                 self._end(seq.session_id)
-                if tokens is not None:  # the last request's path: nothing asks for it again
-                    self.cache.retire(tokens, seq.adapter_key, list(seq.fanout.values()))
             else:
                 s.idle_since = self.clock()
                 if seq.req.session_next_s is not None:
