@@ -137,6 +137,9 @@ class EngineConfig:
     # Projections that carry LoRA slots (k_proj and v_proj always). None: the modules the
     # adapters given at start target, or all seven when none are given.
     lora_target_modules: tuple[str, ...] | None = None
+    # "fused" (A as extra rows of each projection's GEMM: every token through every slot) or
+    # "sgmv" (each token against its own slot: cost follows the adapters in the batch), lora/layers.py
+    lora_path: str = "fused"
     residual_fanout: bool = False  # forkkv: requests write the residuals of the adapters in slots
     residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
     schedule_policy: str = "lpm"  # "lpm" (cache-aware admission) | "fifo"
@@ -160,6 +163,8 @@ class EngineConfig:
         if self.host_kv_bytes is not None and (isinstance(self.host_kv_bytes, bool) or not isinstance(
                 self.host_kv_bytes, int) or self.host_kv_bytes < 0):
             raise ValueError(f"host_kv_bytes={self.host_kv_bytes!r}: expected an int >= 0 or None")
+        if self.lora_path not in ("fused", "sgmv"):
+            raise ValueError(f"lora_path={self.lora_path!r}: expected 'fused' or 'sgmv'")
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
         if self.residual_fanout and self.cache_policy != "forkkv":

@@ -32,7 +32,7 @@ class Engine(EngineCore):
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
                         max_lora_rank=None, *, max_loras: int = 8, max_cpu_loras: int | None = None,
                         pinned_adapters=(), seed: int = 0,
-                        lora_target_modules=None, residual_fanout: bool = False,
+                        lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool = False,
                         residual_fraction: float | None = None, schedule_policy: str = "lpm",
                         deterministic: bool = False, host_kv_bytes: int | None = None,
                         **engine_kwargs):
@@ -43,7 +43,9 @@ class Engine(EngineCore):
         first (lora/slots.py); `max_cpu_loras`: adapters loaded at most (None: no bound);
         `pinned_adapters`: names that keep their slots. `lora_target_modules`: projections
         that carry LoRA slots (default: those the start-up adapters target, all seven without
-        any; adapters loaded later must fit in them). `residual_fanout` (`forkkv` only): a
+        any; adapters loaded later must fit in them). `lora_path`: "fused" (A as rows of each
+        projection's GEMM) or "sgmv" (each token against its own adapter slot: the cost follows
+        the adapters in the batch, not max_loras; lora/layers.py). `residual_fanout` (`forkkv` only): a
         request also writes the residuals of the other adapters in device slots (every other
         loaded one while they fit) from its own hidden states, unless it names its group
         (`fanout_adapters`). `residual_fraction`: share of `kv_cache_bytes` for the residual
@@ -64,7 +66,8 @@ class Engine(EngineCore):
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,
                            lora_target_modules=None if lora_target_modules is None
-                           else tuple(lora_target_modules), residual_fanout=residual_fanout,
+                           else tuple(lora_target_modules), lora_path=lora_path,
+                           residual_fanout=residual_fanout,
                            residual_fraction=residual_fraction, schedule_policy=schedule_policy,
                            deterministic=deterministic, host_kv_bytes=host_kv_bytes)
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)

@@ -26,9 +26,9 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
         if adapters is None and model in TINY_MODELS:
             adapters = demo_adapters(model_cfg)
         loaded = read_adapters(adapters or {}, model_cfg)
-        _, net = load_builtin(model, num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank),
+        _, net = load_builtin(model, num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path),
                               dtype=dtype, seed=seed,
-                              lora_targets=lora_targets(loaded, cfg.lora_target_modules))
+                              lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
         return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
     if isinstance(model, str) and model in PACKAGED:
         if adapters is None:
@@ -39,16 +39,16 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
         model_cfg = ModelConfig.from_hf(ckpt.config)
         loaded = read_adapters(adapters or {}, model_cfg)
         net = load_strict(ckpt.path, model_cfg, ckpt.names, ckpt.read, num_slots=cfg.max_loras,
-                          rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype,
-                          lora_targets=lora_targets(loaded, cfg.lora_target_modules))
+                          rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path), dtype=dtype,
+                          lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
         return model_cfg, net, ckpt.tokenizer(), loaded
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         path = os.fspath(model)
         model_cfg = ModelConfig.from_hf(path)
         loaded = read_adapters(adapters or {}, model_cfg)
         _, net = load_checkpoint(path, num_slots=cfg.max_loras,
-                                 rank=_rank_cap(loaded, cfg.max_lora_rank), dtype=dtype,
-                                 lora_targets=lora_targets(loaded, cfg.lora_target_modules))
+                                 rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path), dtype=dtype,
+                                 lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
         return model_cfg, net, load_tokenizer(path), loaded
     raise ValueError(f"model={model!r}: not a checkpoint directory, a .gguf file nor a built-in "
                      f"model ({', '.join([*BUILTIN_CONFIGS, *PACKAGED])})")
@@ -86,10 +86,12 @@ def lora_targets(adapters: list[LoraAdapter], requested) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in want or t in ALWAYS_LORA)
 
 
-def _rank_cap(adapters: list[LoraAdapter], max_lora_rank) -> int:
+def _rank_cap(adapters: list[LoraAdapter], max_lora_rank, lora_path: str = "fused") -> int:
     """R of the stacked slots: max_lora_rank, else the largest initial rank and at least 16
-    (vLLM's default), so adapters loaded later fit."""
+    (vLLM's default), so adapters loaded later fit; on the sgmv path a power of two (its
+    kernels' blocks)."""
     need = max((a.rank for a in adapters), default=1)
     if max_lora_rank is not None and need > max_lora_rank:
         raise ValueError(f"adapter rank {need} exceeds max_lora_rank={max_lora_rank}")
-    return max_lora_rank or max(need, 16)
+    rank = max_lora_rank or max(need, 16)
+    return rank if lora_path == "fused" else max(16, 1 << (rank - 1).bit_length())

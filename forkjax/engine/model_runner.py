@@ -106,8 +106,7 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
     fan_checks = []  # [T, N] per layer, appended while the layers are traced
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
-                             inv_freq=model.inv_freq[...], precision=model.precision,
-                             fan_checks=fan_checks)
+                             inv_freq=model.inv_freq[...], fan_checks=fan_checks)
     h, pools, layers = model(tokens, batch, attn, pools, output_hidden_states=hidden)
     states = jnp.stack(layers[:-1] + [h]).astype(jnp.float32) if hidden else None
     logits = model.logits(h) if all_logits else None

@@ -37,7 +37,7 @@ class PagedMeta:
 
 
 def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
-                    use_pallas: bool, precision=None, fan_checks: list | None = None):
+                    use_pallas: bool, fan_checks: list | None = None):
     """T tokens (T = B in decode, B·C in extend) -> ([T, Hq, D], pools).
 
     fan_checks: with residual fan-out, each layer appends [T, N] bool: the fan-out residuals it
@@ -50,7 +50,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
     run = dict(backend=_backend(use_pallas), interpret=None)  # None: interpreted off a GPU
     write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, fan_checks)
-    if kind == "decode" and residual and attention.fused_decode_supported(
+    if kind == "decode" and residual and qkv.proj.lora_path == "fused" and attention.fused_decode_supported(
             qkv.heads, pools.base_k.shape[-2], pools.res_k.shape[-1], pools.base_k.dtype, **run):
         # one kernel from the q|k|v GEMM's output to the attention kernel's operands and the
         # K/V to write, where XLA would run several
@@ -70,7 +70,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         (kb, kr), (vb, vr) = qkv.k(), qkv.v()
         pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
     else:
-        keys, values = qkv.merged_kv(precision)
+        keys, values = qkv.merged_kv()
         pools = write(pools, layer, m.base_slots, m.res_slots, keys, values)
     nb = m.prefix_lengths.shape[0]
     if kind == "decode":

@@ -24,8 +24,18 @@ Rows past sum(group_sizes) (batch padding) come out as zeros.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnRows:
+    """Slot rows of the `sgmv` LoRA path (layers.py): each token's own xA [T, R] and its
+    slot [T] (N: padding), where the dense path keeps [T, N, R] with zeros outside the slot."""
+    xa: jax.Array
+    slots: jax.Array
 
 
 def lora_shrink(x, a, group_sizes, precision=None):
@@ -50,8 +60,8 @@ def slot_rows(xa, group_sizes):
 
 
 def own_slot(rows):
-    """Slot rows [T, ..., N, R] -> xA [T, ..., R] of each token's slot (one non-zero term)."""
-    return jnp.sum(rows, axis=-2)
+    """Slot rows [T, ..., N, R] (or `OwnRows`) -> xA [T, ..., R] of each token's slot."""
+    return rows.xa if isinstance(rows, OwnRows) else jnp.sum(rows, axis=-2)
 
 
 def lora_expand(rows, b, precision=None):

@@ -10,7 +10,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from forkjax.linear import linear_f32
-from forkjax.lora.batched import lora_expand, slot_rows
+from forkjax.lora.batched import OwnRows, lora_expand, slot_rows, slots_from_group_sizes
+from forkjax.pallas_kernels.sgmv import api as sgmv
+
+LORA_PATHS = ("fused", "sgmv")
 
 
 class LoRALinear(nnx.Module):
@@ -24,42 +27,61 @@ class LoRALinear(nnx.Module):
     B (the LoRA scale folded in). Slot 0 is the bare base model and stays zero; ranks are
     zero-padded to R. A part without slots (`lora` leaves it out: no adapter may target it, see
     `lora_target_modules`) is a plain linear layer: no work.
+
+    `lora_path="sgmv"`: the A's lie apart, `lora_a[part]` [N, R, in] (R a power of two >= 16),
+    `weight` holds the O base rows only, and each token's shrink and expand run against its own
+    slot in the SGMV kernels (pallas_kernels/sgmv): the cost follows the adapters in the batch,
+    not N. `project` then returns xW + b and each part's own-slot xA [T, R] (not every slot's).
     """
 
     def __init__(self, d_in: int, parts: dict[str, int], *, bias: bool, num_slots: int,
-                 rank: int, dtype, precision=None, lora: tuple[str, ...] = ()):
+                 rank: int, dtype, precision=None, lora: tuple[str, ...] = (), lora_path: str = "fused"):
+        if lora_path not in LORA_PATHS:
+            raise ValueError(f"lora_path={lora_path!r}: expected one of {', '.join(LORA_PATHS)}")
         self.parts = tuple(parts.items())
         self.lora = tuple(p for p in parts if p in lora)
         self.out = sum(parts.values())
-        rows = self.out + len(self.lora) * num_slots * rank
+        self.lora_path = lora_path
+        fused = lora_path == "fused"
+        rows = self.out + (len(self.lora) * num_slots * rank if fused else 0)
         self.weight = nnx.Param(jnp.zeros((rows, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((self.out,), dtype)) if bias else None
+        self.lora_a = None if fused else nnx.Dict(
+            {p: nnx.Param(jnp.zeros((num_slots, rank, d_in), dtype)) for p in self.lora})
         self.lora_b = nnx.Dict({p: nnx.Param(jnp.zeros((num_slots, rank, parts[p]), dtype))
                                 for p in self.lora})
         self.slots = (num_slots, rank)
         self.precision = precision
 
     def a_rows(self, part: str, slot: int) -> int:
-        """First row of `part`'s A for `slot` in `weight` (R rows)."""
+        """First row of `part`'s A for `slot` in `weight` (R rows; the fused path's layout)."""
+        if self.lora_path != "fused":
+            raise ValueError("the sgmv path keeps A apart, in lora_a")
         n, r = self.slots
         return self.out + (self.lora.index(part) * n + slot) * r
 
     def __call__(self, x, group_sizes) -> dict:
         """x [T, in], group_sizes [N] (tokens grouped by slot) -> {part: (xW + b [T, out],
-        slot rows [T, N, R] (xA in the token's slot, zeros in the others: `forkjax.lora.batched`)
-        or None for a part without slots)}."""
-        return self.split(self.project(x), group_sizes)
+        slot rows [T, N, R] (xA in the token's slot, zeros in the others: `forkjax.lora.batched`;
+        `OwnRows` on the sgmv path) or None for a part without slots)}."""
+        return self.split(self.project(x, group_sizes), group_sizes)
 
-    def project(self, x):
+    def project(self, x, group_sizes=None):
         """x [T, in] -> the one GEMM's output [T, O + L·N·R] in float32, not yet rounded to x's
         dtype (`split` rounds it; a kernel reading it rounds as it loads, where XLA would run a
         convert kernel first): every part's xW + b, then every slot's xA of each part with
-        slots (rows of `a_rows`)."""
+        slots (rows of `a_rows`). The sgmv path: xW + b, then each part's own-slot xA [T, R]
+        (`group_sizes` [N] needed)."""
         w = self.weight[...]
         bias = None
         if self.bias is not None:
             bias = jnp.pad(self.bias[...], (0, w.shape[0] - self.out))  # no bias on the A rows
-        return linear_f32(x, w, self.precision, bias)
+        y = linear_f32(x, w, self.precision, bias)
+        if self.lora_path == "fused" or not self.lora:
+            return y
+        slots = slots_from_group_sizes(group_sizes, x.shape[0])
+        return jnp.concatenate([y, *(sgmv.shrink(x, self.lora_a[p][...], slots).astype(y.dtype)
+                                     for p in self.lora)], axis=1)
 
     def split(self, y, group_sizes) -> dict:
         """`project`'s output -> what `__call__` returns."""
@@ -71,12 +93,30 @@ class LoRALinear(nnx.Module):
         rows = {}
         if self.lora:
             n, r = self.slots
-            xa_all = y[:, self.out:].reshape(y.shape[0], len(self.lora), n, r)
-            rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
+            if self.lora_path == "fused":
+                xa_all = y[:, self.out:].reshape(y.shape[0], len(self.lora), n, r)
+                rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
+            else:
+                xa = y[:, self.out:].reshape(y.shape[0], len(self.lora), r)
+                rows = {p: self.rows_of(xa[:, i], group_sizes) for i, p in enumerate(self.lora)}
         return {name: (y_part, rows.get(name)) for name, y_part in out.items()}
 
+    def rows_of(self, xa, group_sizes):
+        """Each token's own xA [T, R] -> the slot rows `expand` takes."""
+        if self.lora_path == "fused":
+            return slot_rows(xa[:, None], group_sizes)  # [T, 1, R], broadcast over the N slots
+        return OwnRows(xa, slots_from_group_sizes(group_sizes, xa.shape[0]))
+
+    def all_slots_xa(self, x, part: str):
+        """x [T, in] -> xA of `part` for every slot [T, N, R] (float32; residual fan-out)."""
+        n, r = self.slots
+        a = self.lora_a[part][...].reshape(n * r, -1)
+        return linear_f32(x, a, self.precision).reshape(-1, n, r)
+
     def expand(self, part: str, rows):
-        """Slot rows [T, N, R] -> xA·B [T, out] of `part`."""
+        """Slot rows [T, N, R] (or `OwnRows`) -> xA·B [T, out] of `part`."""
+        if isinstance(rows, OwnRows):
+            return sgmv.expand(rows.xa, self.lora_b[part][...], rows.slots)
         return lora_expand(rows, self.lora_b[part][...], self.precision)
 
     def merged(self, x, group_sizes) -> list:

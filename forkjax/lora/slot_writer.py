@@ -26,17 +26,21 @@ from forkjax.lora.slots import BASE_SLOT, _projection, check_fits, lora_modules,
 
 @functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))
 def _write(weights, bs, image, slot, plan):
-    """weights (every LoRA projection's stacked weight) and bs (every B [N, R, out]) with the
-    slot's rows replaced: `plan` holds per module (name, in the image, its slot-0 A row, weight
-    index and B index of each layer); image {module: (A^T [L, R, in], B [L, R, out])}."""
+    """weights (where the A's lie: every LoRA projection's stacked weight, or on the sgmv path
+    every lora_a [N, R, in]) and bs (every B [N, R, out]) with the slot's rows replaced: `plan`
+    holds per module (name, in the image, its slot-0 A row in the stacked weight or None for
+    lora_a, weight index and B index of each layer); image {module: (A^T [L, R, in], B [L, R, out])}."""
     weights, bs = list(weights), list(bs)
     for module, present, first_row, w_ids, b_ids in plan:
         for layer, (wi, bi) in enumerate(zip(w_ids, b_ids)):
             w, b = weights[wi], bs[bi]
             r = b.shape[1]
-            a_rows = image[module][0][layer] if present else jnp.zeros((r, w.shape[1]), w.dtype)
+            a_rows = image[module][0][layer] if present else jnp.zeros((r, w.shape[-1]), w.dtype)
             b_rows = image[module][1][layer] if present else jnp.zeros(b.shape[1:], b.dtype)
-            weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype), first_row + slot * r, 0)
+            if first_row is None:
+                weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype)[None], slot, 0)
+            else:
+                weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype), first_row + slot * r, 0)
             bs[bi] = jax.lax.dynamic_update_slice_in_dim(b, b_rows.astype(b.dtype)[None], slot, 0)
     return tuple(weights), tuple(bs)
 
@@ -53,18 +57,21 @@ class SlotWriter:
         self._images: dict[str, tuple[str, dict]] = {}  # name -> (content hash, image)
         # The variables a write replaces (every LoRA projection's stacked weight, then every B)
         # and the program's plan, fixed by the model's structure.
-        weights, bs, plan, ids = [], [], [], {}  # ids: id of a stacked projection -> its index
+        weights, bs, plan, ids = [], [], [], {}  # ids: id of an A variable -> its index in weights
         for module in self.modules:
             w_ids, b_ids = [], []
+            fused = _projection(model, 0, module).lora_path == "fused"
             for layer in range(self.layers):
                 proj = _projection(model, layer, module)
-                if id(proj) not in ids:
-                    ids[id(proj)] = len(weights)
-                    weights.append(proj.weight)
-                w_ids.append(ids[id(proj)])
+                a = proj.weight if fused else proj.lora_a[module]  # the stacked weight is shared
+                if id(a) not in ids:
+                    ids[id(a)] = len(weights)
+                    weights.append(a)
+                w_ids.append(ids[id(a)])
                 b_ids.append(len(bs))
                 bs.append(proj.lora_b[module])
-            plan.append((module, _projection(model, 0, module).a_rows(module, 0), tuple(w_ids), tuple(b_ids)))
+            first_row = _projection(model, 0, module).a_rows(module, 0) if fused else None
+            plan.append((module, first_row, tuple(w_ids), tuple(b_ids)))
         self._vars, self._num_weights, self._plan = weights + bs, len(weights), tuple(plan)
 
     def image_bytes(self, name: str) -> int:
@@ -77,7 +84,7 @@ class SlotWriter:
         image = {}
         for module in sorted(adapter.targets):
             proj = _projection(model, 0, module)
-            d_in, d_out = proj.weight.get_value().shape[1], proj.lora_b[module].get_value().shape[2]
+            d_in, d_out = proj.weight.get_value().shape[1], proj.lora_b[module].get_value().shape[2]  # [.., in], [N, R, out]
             a = np.zeros((self.layers, self.rank, d_in), np.float32)
             b = np.zeros((self.layers, self.rank, d_out), np.float32)
             for layer in range(self.layers):

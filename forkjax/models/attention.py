@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from forkjax.lora.batched import lora_expand, own_slot, slot_rows
+from forkjax.lora.batched import own_slot
 from forkjax.rope import apply_rope
 
 
@@ -29,6 +29,7 @@ class QKV:
     heads: tuple[int, int, int]  # (Hq, Hkv, D)
     rope: tuple  # (cos, sin) [T, D]
     group_sizes: jax.Array  # [N] int32 tokens per adapter slot
+    x: jax.Array | None = None  # [T, in] the projection's input (the sgmv path's fan-out)
 
     @functools.cached_property
     def _parts(self) -> dict:
@@ -47,7 +48,10 @@ class QKV:
         return (0, hq * hd, (hq + hkv) * hd, *a)
 
     def all_slots_xa(self, part: str):
-        """-> xA of `part` for every adapter slot [T, N, R] (float32, from the GEMM output)."""
+        """-> xA of `part` for every adapter slot [T, N, R] (float32, from the GEMM output; on
+        the sgmv path, which computes each token's own slot only, a GEMM of its own)."""
+        if self.proj.lora_path != "fused":
+            return self.proj.all_slots_xa(self.x, part)
         n, r = self.proj.slots
         first = self.proj.a_rows(part, 0)
         return self.y[:, first:first + n * r].reshape(-1, n, r)
@@ -72,12 +76,10 @@ class QKV:
         vb, rows = self._parts["v_proj"]
         return vb.reshape(-1, hkv, hd), own_slot(rows)
 
-    def merged_kv(self, precision=None):
+    def merged_kv(self):
         """-> full K (RoPE) and V, each [T, Hkv, D]: the (base, residual) pairs merged."""
         (kb, kr), (vb, vr) = self.k(), self.v()
         t, hkv, hd = kb.shape
-        # kr[:, None] [T, 1, R]: slot_rows broadcasts it over the N slots
-        k_lora, v_lora = (lora_expand(slot_rows(xa[:, None], self.group_sizes), self.b(part),
-                                      precision).reshape(t, hkv, hd)
+        k_lora, v_lora = (self.proj.expand(part, self.proj.rows_of(xa, self.group_sizes)).reshape(t, hkv, hd)
                           for xa, part in ((kr, "k_proj"), (vr, "v_proj")))
         return kb + apply_rope(k_lora, *self.rope), vb + v_lora

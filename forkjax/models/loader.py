@@ -71,10 +71,10 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
-                progress: bool = False, lora_targets=TARGETS) -> CausalLM:
+                progress: bool = False, lora_targets=TARGETS, lora_path: str = "fused") -> CausalLM:
     """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
-                                               lora_targets=lora_targets))
+                                               lora_targets=lora_targets, lora_path=lora_path))
     graphdef, state = nnx.split(abstract)
     flat = []
     for path, var in tqdm(list(nnx.to_flat_state(state)), desc="loading weights",
@@ -82,7 +82,7 @@ def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int
         spec = var.get_value()
         if path == ("inv_freq",):
             value = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        elif "lora_b" in path:
+        elif "lora_a" in path or "lora_b" in path:
             value = jnp.zeros(spec.shape, spec.dtype)
         elif path[-1] in ("weight", "bias") and path[-2].endswith("_proj"):
             value = _projection(cfg, get, path, spec)
@@ -112,7 +112,8 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 
 def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
-                    progress: bool = True, lora_targets=TARGETS) -> tuple[ModelConfig, CausalLM]:
+                    progress: bool = True, lora_targets=TARGETS,
+                    lora_path: str = "fused") -> tuple[ModelConfig, CausalLM]:
     """Load `model_dir` (config.json + safetensors, single or sharded) strictly."""
     cfg = ModelConfig.from_hf(model_dir)
     where = checkpoint_files(model_dir)
@@ -125,12 +126,13 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
         return handles[file].get_tensor(name)
 
     return cfg, load_strict(model_dir, cfg, set(where), read, num_slots=num_slots, rank=rank,
-                            dtype=dtype, progress=progress, lora_targets=lora_targets)
+                            dtype=dtype, progress=progress, lora_targets=lora_targets,
+                            lora_path=lora_path)
 
 
 def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[str], object], *,
                 num_slots: int, rank: int, dtype, progress: bool = True,
-                lora_targets=TARGETS) -> CausalLM:
+                lora_targets=TARGETS, lora_path: str = "fused") -> CausalLM:
     """Build the model from the tensors `names` of a checkpoint (HF names; `read(name)` -> an
     array in HF's layout): every one must be used with the shape `cfg` implies, and every
     parameter set, or loading fails naming them (`source`: the file or directory, for errors)."""
@@ -156,7 +158,7 @@ def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[
             return jnp.zeros(shape, dt)
 
     model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
-                        lora_targets=lora_targets, progress=progress)
+                        lora_targets=lora_targets, progress=progress, lora_path=lora_path)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} parameter(s): "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -51,7 +51,8 @@ class Attention(nnx.Module):
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
-        qkv = QKV(self.qkv_proj.project(x), self.qkv_proj, self.heads, rope, batch.group_sizes)
+        qkv = QKV(self.qkv_proj.project(x, batch.group_sizes), self.qkv_proj, self.heads, rope,
+                  batch.group_sizes, x)
         out, state = attn_fn(layer, qkv, batch, state)
         return self.o_proj.merged(out.reshape(x.shape[0], -1), batch.group_sizes)[0], state
 
@@ -83,16 +84,16 @@ class DecoderLayer(nnx.Module):
 
 class CausalLM(nnx.Module):
     """HF `LlamaForCausalLM` / `Qwen2ForCausalLM` with N LoRA slots of rank R on the projections
-    named in `lora_targets` (k_proj and v_proj always)."""
+    named in `lora_targets` (k_proj and v_proj always), run on `lora_path` (lora/layers.py)."""
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32,
-                 lora_targets=TARGETS):
+                 lora_targets=TARGETS, lora_path: str = "fused"):
         self.dtype = dtype
         # float32 means "exact": no TF32 on the GPU.
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         self.precision = precision
         lora = dict(num_slots=num_slots, rank=rank, precision=precision,
-                    targets=tuple(lora_targets) + ALWAYS_LORA)
+                    targets=tuple(lora_targets) + ALWAYS_LORA, lora_path=lora_path)
         self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([DecoderLayer(cfg, dtype, **lora) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
