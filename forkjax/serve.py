@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=8,
                    help="adapter slots on the device, the base model's included (%(default)s); more "
                         "adapters wait on the host and take a slot when a request needs one")
+    p.add_argument("--lora-path", choices=("fused", "sgmv"), default="fused",
+                   help="fused: A as rows of each projection's GEMM (every token through every slot); "
+                        "sgmv: each token against its own adapter slot, a cost that follows the "
+                        "adapters in the batch (%(default)s)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters loaded at most, on the host (default: no bound)")
     p.add_argument("--pinned-lora", action="append", default=[], metavar="NAME",
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None):
             page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
             max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
             pinned_adapters=args.pinned_lora, seed=args.seed,
-            lora_target_modules=args.lora_target_modules, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+            lora_target_modules=args.lora_target_modules, lora_path=args.lora_path, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
             host_kv_bytes=args.host_kv_bytes,

@@ -160,6 +160,7 @@ def main():
     ap.add_argument("--active", help="comma list of distinct adapters active at once, e.g. 0,1,8,32,64: "
                     "decode and prefill per count (0: the base model) instead of the default sections")
     ap.add_argument("--max-loras", type=int, help="device adapter slots (default: max(--active) + 1, 8)")
+    ap.add_argument("--lora-path", choices=("fused", "sgmv"), default="fused")
     ap.add_argument("--swap", action="store_true", help="the adapter swap section instead (4 slots, "
                     "8 adapters on the host)")
     args = ap.parse_args()
@@ -179,6 +180,7 @@ def main():
     bw = timing.copy_bandwidth()[0]
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters=adapters, max_loras=max_loras,
+                                            lora_path=args.lora_path,
                                             cache_policy=args.policy,
                                             max_batch_size=max(64, *batches),
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
@@ -186,7 +188,7 @@ def main():
                                             deterministic=args.deterministic)
     load_s = time.perf_counter() - t
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
-                  policy=args.policy, overlap=engine.overlap, deterministic=args.deterministic,
+                  policy=args.policy, lora_path=args.lora_path, overlap=engine.overlap, deterministic=args.deterministic,
                   target_programs=triton_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,

@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=None,
                    help="device adapter slots, the base model's included (default: one per agent, at "
                         "most 8 with --distinct-agents; more adapters swap in)")
+    p.add_argument("--lora-path", choices=("fused", "sgmv"), default="fused",
+                   help="the LoRA matmuls (Engine.from_pretrained lora_path)")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="(64 on a GPU and with --replay; the engine's default, 16, on a CPU)")
@@ -281,7 +283,8 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
     engine = forkjax.Engine.from_pretrained(
         args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
-        max_loras=args.max_loras or len(names) + 1, residual_fanout=policy == "forkkv+fanout",
+        max_loras=args.max_loras or len(names) + 1, lora_path=args.lora_path,
+        residual_fanout=policy == "forkkv+fanout",
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
         max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,

@@ -15,6 +15,7 @@
 #   adapters  bench_lora.py (T 64/2k/8k x N 1-128 slots), bench_engine.py --swap and      adapters/  ~6 min
 #           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
 #   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
+#           on the LoRA path $LORA_PATH (fused, or sgmv), into active_<path>.json
 #   host    host tier copy rates (bench_host_tier.py, 2 MB to 512 MB)   host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
@@ -101,7 +102,7 @@ for stage in "$@"; do
             echo "bench_lora: rc=$?"
             specs="noslots:--active_0_--max-loras_1 swap:--swap"
         else
-            specs="active:--active_0,1,8,32,64"
+            specs="active_${LORA_PATH:-fused}:--active_0,1,8,32,64_--lora-path_${LORA_PATH:-fused}"
         fi
         for spec in $specs; do
             name=${spec%%:*} flags=${spec#*:}
