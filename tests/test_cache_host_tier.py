@@ -126,21 +126,6 @@ def test_a_retired_path_leaves_the_host_and_goes_first_without_a_copy():
     tree.check()
 
 
-def test_retire_keeps_the_prefix_an_agent_goes_on_from():
-    """`retire(node, keep)`: only the nodes past the first `keep` tokens retire (an agent's last
-    turn, where its next prompt goes another way); what its next prompt shares stays live."""
-    tree = _tree()
-    _insert(tree, range(1, 9))
-    turn, _ = _insert(tree, [*range(1, 9), *range(60, 68)])  # the last turn's own tokens
-    _insert(tree, [*range(1, 9), *range(70, 74)])  # the next prompt forks after 8 tokens
-    shared = turn.parent
-    tree.retire(turn, keep=8)
-    assert turn.retired and not shared.retired and shared.end == 8
-    tree.retire(turn, keep=16)  # nothing past 16 tokens: nothing more retires
-    assert not shared.retired
-    tree.check()
-
-
 def test_without_host_room_eviction_drops():
     tree = _tree(host_pages=2)
     _insert(tree, range(1, 13))

@@ -138,15 +138,14 @@ def test_replay_a_host_tier_runs_32_pausing_prefix_workflows_half_again_as_fast(
 
 def test_replay_a_host_tier_writes_back_nothing_of_ended_parallel_workflows(tmp_path):
     """Parallel rounds under `prefix`: a workflow's last round runs its three agents at once,
-    each request saying the session ends, and in every round an agent's new prompt leaves its
-    last turn's own tokens behind. Those paths are retired (an ended session's paths, an
-    agent's abandoned turn), so nothing is written back (a whole-path write-back of each ended
-    workflow would be 96 paths, ~60 GB) and the tier changes nothing."""
+    each request saying the session ends. Every one of their paths is retired when it ends, so
+    the host tier stores no more than the dead branch tails of earlier rounds (a whole-path
+    write-back of each ended workflow would be 96 paths, ~60 GB) and costs no tasks/s."""
     def run(*flags):
         return bench_workflows().main(["--replay", "--pattern", "parallel", "--context", "4096",
                                        "--gen", "64", "--sweep", "16", "--total", "3x", "--policy",
                                        "prefix", "--out", str(tmp_path), *flags])[0]
     tier, plain = run("--host-kv-bytes", "64e9"), run()
-    assert tier["host_bytes_stored"] == tier["host_bytes_loaded"] == 0, tier["host_bytes_stored"]
-    assert tier["recompute_ratio"] == plain["recompute_ratio"] == 1.0
-    assert tier["tasks_per_s"] == plain["tasks_per_s"]
+    assert tier["host_bytes_stored"] < 4 * tier["per_agent_kv_bytes"], tier["host_bytes_stored"]
+    assert tier["host_bytes_loaded"] == 0 and tier["recompute_ratio"] == plain["recompute_ratio"] == 1.0
+    assert tier["tasks_per_s_sustained"] >= 0.98 * plain["tasks_per_s_sustained"]

@@ -278,14 +278,12 @@ class RadixTree(HostTier):
         self._detach(node)
         return own
 
-    def retire(self, node: TreeNode, keep: int = 0) -> None:
-        """The path to `node` will not be asked for again past its first `keep` tokens (its
-        workflow ended, or its agent moved on): its nodes past them that no one else locks or
-        holds leave the host now (host nodes with what is below them, the host copies of
-        device nodes) and are evicted first from the device, without a write-back. A match
-        that reaches one revives it."""
-        while (node.parent is not None and node.alive and node.lock_ref == 0 and node.hold_ref == 0
-               and node.start >= keep):
+    def retire(self, node: TreeNode) -> None:
+        """The path to `node` will not be asked for again (its workflow ended): its nodes that
+        no one else locks or holds leave the host now (host nodes with what is below them, the
+        host copies of device nodes) and are evicted first from the device, without a
+        write-back. A match that reaches one revives it."""
+        while node.parent is not None and node.alive and node.lock_ref == 0 and node.hold_ref == 0:
             parent = node.parent
             if not node.on_device:
                 self._drop_host_subtree(node)  # everything below a host node is on the host

@@ -157,9 +157,7 @@ class Sessions:
         s.live_paths[seq.id] = tuple(sum(p == pool for p, _ in seq.key_ns) for pool in POOLS)
         old = s.holds.pop(seq.adapter_key, None)
         if old is not None:
-            # The new request holds what it reuses of that agent's path; the rest (the last
-            # request's own turn, where the new prompt goes another way) nothing asks for again.
-            old.retire(keep=common_prefix_len(old.tokens, prompt))
+            old.release()  # the new request holds what it reuses of that agent's path
         return s
 
     def ended(self, seq, tokens=None) -> None:
