@@ -18,7 +18,8 @@ GB/s each way, pageable numpy at 4-7 GB/s to the device and ~1.3 GB/s back.
 Every copy is dispatched, not waited for (`execute`, before a step): the gather reads the pool as
 the steps dispatched before it left it, and the scatter's pool is the one the next step reads,
 so a page is never read before its copy lands nor overwritten before its store has read it (JAX
-orders work on a buffer by dispatch), and the copies overlap the steps in flight. 
+orders work on a buffer by dispatch), and the copies overlap the steps in flight.
+
 Host page ids are this pool's own (1, 2, ...; 0 is never one). The bytes of live blocks count
 against a `HostBudget` that the pools of one cache share.
 """

@@ -176,9 +176,11 @@ class ModelRunner:
         self.residual = layout.policy.uses_residual
         self.fanout = fanout
         self.use_pallas = use_pallas
-        self.graphdef = self.state_def = None  # HashOnce, kept across set_model
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        self.graphdef, self.state_def = HashOnce(graphdef), HashOnce(treedef)
+        self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
         self._exes: dict = {}  # shape -> executable, this runner's view of COMPILER
-        self.set_model(model)
         self.vocab_size = model.embed_tokens.get_value().shape[0]
         self.pools = layout.allocate()
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape).
@@ -194,21 +196,10 @@ class ModelRunner:
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
 
-    def set_model(self, model):
-        """(Re)split parameters after adapter slots changed; shapes never change, so the static
-        halves are kept (same objects: no recompilation, no re-hashing)."""
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree.flatten(state)
-        if self.graphdef is None or self.graphdef.value != graphdef:
-            self.graphdef, self._exes = HashOnce(graphdef), {}
-        if self.state_def is None or self.state_def.value != treedef:
-            self.state_def, self._exes = HashOnce(treedef), {}
-        self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
-
     def replace_params(self, pairs) -> None:
-        """[(old array, new array)]: parameters the model replaced (adapter slot writes), in
-        place of a `set_model`, whose re-split of the whole model costs ~15 ms of host time at
-        32 layers."""
+        """[(old array, new array)]: parameters the model replaced (adapter slot writes); shapes
+        never change, so the programs stay (a re-split of the whole model would cost ~15 ms of
+        host time at 32 layers)."""
         where = {id(x): i for i, x in enumerate(self.state_leaves)}
         leaves = list(self.state_leaves)
         for old, new in pairs:

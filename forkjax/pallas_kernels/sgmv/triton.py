@@ -15,7 +15,7 @@ tokens on K adapters reads K adapters' weights, and a prefill chunk of one adapt
     expand  xa [T, Rp] · b [N, Rp, d_out] -> y [T, d_out]   grid (T / block_t, d_out / block_n)
 
 Rp, the stored rank, is ≥ 16 and a power of two (a dot with a contraction or output dimension
-of 8 is wrong on the H200: ../../../shared PALLAS.md); d_in and d_out are multiples of the
+of 8 gives wrong results on the H200); d_in and d_out are multiples of the
 blocks (`SgmvConfig.for_shapes` picks power-of-two divisors). Plain-jnp reference: reference.py.
 """
 
