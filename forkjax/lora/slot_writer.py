@@ -2,7 +2,7 @@
 
 An adapter's slot image, its A^T [L, R, d_in] and B [L, R, d_out] per projection it targets, in
 the model's dtype and zero-padded to the slots' rank R, is made once, when the adapter is
-registered, and kept in pinned host memory (jax memory kind `pinned_host`), so a swap does no
+registered, and kept in pinned host memory on a GPU (jax memory kind `pinned_host`), so a swap does no
 host arithmetic: `jax.device_put` starts the image's copy to the device (from pinned memory at
 the link's rate, ~49 GB/s on the H200 against 4-7 GB/s from pageable numpy; ~27 MB for a
 rank-16 q/k/v/o adapter of Llama-3-8B), and one jitted program that donates every LoRA
@@ -52,7 +52,9 @@ class SlotWriter:
     def __init__(self, model, device=None):
         self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), len(model.layers)
         device = device or jax.devices()[0]
-        self._host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        # Pinned memory speeds the copy to a GPU; a CPU's device memory is host memory already.
+        self._host = (jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+                      if device.platform == "gpu" else None)
         self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self._images: dict[str, tuple[str, dict]] = {}  # name -> (content hash, image)
         # The variables a write replaces (every LoRA projection's stacked weight, then every B)
@@ -93,7 +95,8 @@ class SlotWriter:
                     a[layer, :wa.shape[1]] = wa.T
                     b[layer, :wb.shape[0]] = wb
             dtype = proj.weight.get_value().dtype  # ml_dtypes rounds to nearest even, as XLA does
-            image[module] = jax.device_put((a.astype(dtype), b.astype(dtype)), self._host)
+            pair = (a.astype(dtype), b.astype(dtype))
+            image[module] = pair if self._host is None else jax.device_put(pair, self._host)
         self._images[adapter.name] = (adapter.content_hash, image)
 
     def forget(self, name: str) -> None:
