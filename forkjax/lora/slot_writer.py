@@ -81,7 +81,7 @@ class SlotWriter:
         return sum(a.nbytes + b.nbytes for a, b in self._images[name][1].values())
 
     def prepare(self, model, adapter: LoraAdapter) -> None:
-        """Make `adapter`'s slot image (replacing one of its name) in pinned host memory."""
+        """Make `adapter`'s slot image (replacing one of its name): pinned host memory on a GPU."""
         check_fits(model, adapter)
         image = {}
         for module in sorted(adapter.targets):
