@@ -148,6 +148,8 @@ class EngineConfig:
     # Host memory for pages evicted from the device (cache/host_pool.py); 0: evicted pages are
     # dropped and recomputed; None: the platform's default (engine/memory.py: off on a CPU)
     host_kv_bytes: int | None = None
+    # Devices the model is split over (tensor_parallel.py): a 1-D mesh of the first local ones
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.cache_policy not in CACHE_POLICIES:
@@ -163,6 +165,12 @@ class EngineConfig:
         if self.host_kv_bytes is not None and (isinstance(self.host_kv_bytes, bool) or not isinstance(
                 self.host_kv_bytes, int) or self.host_kv_bytes < 0):
             raise ValueError(f"host_kv_bytes={self.host_kv_bytes!r}: expected an int >= 0 or None")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive int")
+        if tp > 1 and self.host_kv_bytes:
+            raise ValueError(f"host_kv_bytes={self.host_kv_bytes}: the host tier does not run under "
+                             f"tensor parallelism (tensor_parallel_size={tp}); leave it unset or 0")
         if self.lora_path not in ("fused", "sgmv"):
             raise ValueError(f"lora_path={self.lora_path!r}: expected 'fused' or 'sgmv'")
         if self.max_loras < 1:

@@ -16,6 +16,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 if not any(d.metadata["Name"].startswith("jax-cuda") for d in importlib.metadata.distributions()):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
+# Four CPU devices for the tensor-parallel tests' meshes (every other test runs on the first).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(os.path.dirname(__file__), "..", ".cache", "jax"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

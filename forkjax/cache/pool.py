@@ -17,6 +17,7 @@ three 4.5%.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,12 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.cache.policy import CachePolicy, get_policy
+from forkjax.tensor_parallel import BASE_POOL_SPEC, RES_POOL_SPEC, sharding
 
 class KVPools(NamedTuple):
     base_k: jax.Array  # [L, Hkv, P, S, D]
     base_v: jax.Array  # [L, Hkv, P, S, D]
     res_k: jax.Array  # [L, Pr, S, R]
     res_v: jax.Array  # [L, Pr, S, R]
+
+
+# Their PartitionSpecs under tensor parallelism (tensor_parallel.py)
+KV_SPECS = KVPools(BASE_POOL_SPEC, BASE_POOL_SPEC, RES_POOL_SPEC, RES_POOL_SPEC)
 
 
 class PoolLayout(NamedTuple):
@@ -42,15 +48,20 @@ class PoolLayout(NamedTuple):
     base_pages: int  # sink included
     res_pages: int  # sink included
     policy: CachePolicy
+    tensor_parallel: int = 1  # devices the base pools' KV heads are split over
+
 
     @classmethod
     def from_budget(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, lora_rank: int,
                     page_size: int, kv_cache_bytes: int, policy: str | CachePolicy = "forkkv",
                     dtype: str = "bfloat16", residual_fraction: float | None = None,
-                    residual_copies: int = 1) -> PoolLayout:
+                    residual_copies: int = 1, tensor_parallel: int = 1) -> PoolLayout:
+        """`kv_cache_bytes`: per device (under tensor parallelism each holds 1/tp of a base page
+        and a whole residual page)."""
         policy = get_policy(policy)
         dtype = jnp.dtype(dtype).name
-        probe = cls(num_layers, num_kv_heads, head_dim, lora_rank, page_size, dtype, 0, 0, policy)
+        probe = cls(num_layers, num_kv_heads, head_dim, lora_rank, page_size, dtype, 0, 0, policy,
+                    tensor_parallel)
         bb, rb = probe.base_page_bytes, probe.res_page_bytes
         if not policy.uses_residual:
             res_pages = 1
@@ -72,7 +83,9 @@ class PoolLayout(NamedTuple):
 
     @property
     def base_page_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
+        """Bytes of a base page on one device."""
+        heads = self.num_kv_heads // self.tensor_parallel
+        return 2 * self.num_layers * heads * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
 
     @property
     def res_page_bytes(self) -> int:
@@ -86,8 +99,9 @@ class PoolLayout(NamedTuple):
         """Zero-filled device pools (separate from sizing so device-free code never allocates)."""
         base = (self.num_layers, self.num_kv_heads, self.base_pages, self.page_size, self.head_dim)
         res = (self.num_layers, self.res_pages, self.page_size, self.lora_rank)
-        return KVPools(jnp.zeros(base, self.dtype), jnp.zeros(base, self.dtype),
-                       jnp.zeros(res, self.dtype), jnp.zeros(res, self.dtype))
+        on = functools.partial(sharding, self.tensor_parallel)
+        return KVPools(*(jnp.zeros(shape, self.dtype, device=on(spec))
+                         for shape, spec in zip((base, base, res, res), KV_SPECS)))
 
 
 def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None) -> KVPools:

@@ -35,7 +35,7 @@ class Engine(EngineCore):
                         lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool = False,
                         residual_fraction: float | None = None, schedule_policy: str = "lpm",
                         deterministic: bool = False, host_kv_bytes: int | None = None,
-                        **engine_kwargs):
+                        tensor_parallel_size: int = 1, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
         `max_loras`: device adapter slots (slot 0 is the bare model): more adapters than
@@ -57,6 +57,8 @@ class Engine(EngineCore):
         `host_kv_bytes`: host memory for KV pages evicted from the device, loaded back on a hit
         instead of recomputed (cache/host_pool.py; 0: off; None: off on a CPU, on a GPU half
         the available host memory, at most twice the device KV budget, engine/memory.py).
+        `tensor_parallel_size`: devices the model and the base KV pool are split over (Megatron
+        layout by heads, tensor_parallel.py; the first local devices; no host tier).
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, progress, overlap,
         max_wait_s, `session_ttl_s`: seconds an idle session keeps its pages, about your longest
         tool call (sessions.py), `warmup`: True compiles every shape before returning, "background" on other
@@ -69,7 +71,8 @@ class Engine(EngineCore):
                            else tuple(lora_target_modules), lora_path=lora_path,
                            residual_fanout=residual_fanout,
                            residual_fraction=residual_fraction, schedule_policy=schedule_policy,
-                           deterministic=deterministic, host_kv_bytes=host_kv_bytes)
+                           deterministic=deterministic, host_kv_bytes=host_kv_bytes,
+                           tensor_parallel_size=tensor_parallel_size)
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
         if cache_policy == "lrshared":
             _check_lrshared(loaded)

@@ -61,8 +61,11 @@ class EngineCore:
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,
             kv_cache_bytes=kv_bytes, policy=cfg.cache_policy, dtype=cfg.dtype,
-            residual_fraction=cfg.residual_fraction, residual_copies=residual_copies)
-        host_bytes = memory.host_kv_bytes(cfg.host_kv_bytes, on_gpu, kv_bytes)
+            residual_fraction=cfg.residual_fraction, residual_copies=residual_copies,
+            tensor_parallel=cfg.tensor_parallel_size)
+        # No host tier under tensor parallelism (EngineConfig refuses one asked for)
+        host_bytes = (memory.host_kv_bytes(cfg.host_kv_bytes, on_gpu, kv_bytes)
+                      if cfg.tensor_parallel_size == 1 else 0)
         self.cache = DualRadixCache.from_layout(layout, host_bytes)
         # The host tier's pinned memory is taken while the warm-up compiles, with an eighth more
         # for the allocator's fragmentation (host_pool.grow_pinned_host).

@@ -13,6 +13,7 @@ from forkjax.models.builtin import (BUILTIN_CONFIGS, TINY_MODELS, demo_adapters,
                                     trained_adapters)
 from forkjax.models.gguf import PACKAGED, GGUFCheckpoint, is_gguf, packaged_path
 from forkjax.models.loader import load_checkpoint, load_strict
+from forkjax.tensor_parallel import make_mesh
 from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -20,15 +21,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
     """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter])."""
-    dtype = DTYPES[cfg.dtype]
+    make_mesh(cfg.tensor_parallel_size)  # ValueError now if the devices are too few
     if isinstance(model, str) and model in BUILTIN_CONFIGS:
         model_cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[model])
         if adapters is None and model in TINY_MODELS:
             adapters = demo_adapters(model_cfg)
         loaded = read_adapters(adapters or {}, model_cfg)
-        _, net = load_builtin(model, num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path),
-                              dtype=dtype, seed=seed,
-                              lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
+        _, net = load_builtin(model, seed=seed, **_model_options(loaded, cfg))
         return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
     if isinstance(model, str) and model in PACKAGED:
         if adapters is None:
@@ -38,20 +37,23 @@ def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
         ckpt = GGUFCheckpoint(os.fspath(model))
         model_cfg = ModelConfig.from_hf(ckpt.config)
         loaded = read_adapters(adapters or {}, model_cfg)
-        net = load_strict(ckpt.path, model_cfg, ckpt.names, ckpt.read, num_slots=cfg.max_loras,
-                          rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path), dtype=dtype,
-                          lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
+        net = load_strict(ckpt.path, model_cfg, ckpt.names, ckpt.read, **_model_options(loaded, cfg))
         return model_cfg, net, ckpt.tokenizer(), loaded
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         path = os.fspath(model)
         model_cfg = ModelConfig.from_hf(path)
         loaded = read_adapters(adapters or {}, model_cfg)
-        _, net = load_checkpoint(path, num_slots=cfg.max_loras,
-                                 rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path), dtype=dtype,
-                                 lora_targets=lora_targets(loaded, cfg.lora_target_modules), lora_path=cfg.lora_path)
+        _, net = load_checkpoint(path, **_model_options(loaded, cfg))
         return model_cfg, net, load_tokenizer(path), loaded
     raise ValueError(f"model={model!r}: not a checkpoint directory, a .gguf file nor a built-in "
                      f"model ({', '.join([*BUILTIN_CONFIGS, *PACKAGED])})")
+
+
+def _model_options(loaded: list[LoraAdapter], cfg: EngineConfig) -> dict:
+    """The model's construction options: slots, dtype, LoRA targets and path, tensor parallelism."""
+    return dict(num_slots=cfg.max_loras, rank=_rank_cap(loaded, cfg.max_lora_rank, cfg.lora_path),
+                dtype=DTYPES[cfg.dtype], lora_targets=lora_targets(loaded, cfg.lora_target_modules),
+                lora_path=cfg.lora_path, tp=cfg.tensor_parallel_size)
 
 
 def read_adapters(adapters, model_cfg: ModelConfig) -> list[LoraAdapter]:

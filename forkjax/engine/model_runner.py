@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages
+from forkjax.cache.pool import KV_SPECS
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.compiler import COMPILER
 from forkjax.engine.input_batch import (StepInputs, batch_shape, build_inputs, dummy_inputs,
@@ -36,6 +37,7 @@ from forkjax.engine.sampler import (ProcessArrays, SamplingArrays, greedy, proce
 from forkjax.engine.sequence import MAX_LOGPROBS
 from forkjax.engine.batch import ScheduledBatch
 from forkjax.models.transformer import ForwardBatch
+from forkjax.tensor_parallel import REPLICATED, param_specs, shard, sharding
 
 log = logging.getLogger("forkjax")
 
@@ -84,8 +86,21 @@ class HashOnce:
 
 
 def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
-             prev_tokens, *, kind: str, all_logits: bool, hidden: bool, residual: bool,
-             use_pallas: bool):
+             prev_tokens, *, tp: HashOnce | None, **static):
+    """The step program: `_step_body`, or under tensor parallelism (`tp`: the size and the
+    parameters' PartitionSpecs) that body run per shard (tensor_parallel.py), every output but
+    the pools REPLICATED."""
+    body = functools.partial(_step_body, graphdef, state_def, **static)
+    if tp is None:
+        return body(state_leaves, pools, inputs, prev_tokens)
+    size, specs = tp.value
+    return shard(body, size, in_specs=(list(specs), KV_SPECS, REPLICATED, REPLICATED),
+                 out_specs=(REPLICATED, KV_SPECS))(state_leaves, pools, inputs, prev_tokens)
+
+
+def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
+               prev_tokens, *, kind: str, all_logits: bool, hidden: bool, residual: bool,
+               use_pallas: bool):
     """One forward of a bucketed batch; the pools are donated and come back updated.
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
@@ -127,7 +142,7 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
-            static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas"))
+            static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
 # XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
 # one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
 _OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -141,13 +156,19 @@ _step_cublas = jax.jit(_forward, **_JIT,
 
 
 def _pad_to(tokens, size: int):
-    return jnp.zeros(size, jnp.int32).at[:tokens.shape[0]].set(tokens)
+    # A pad, not a scatter into zeros: at full size that scatter's index array is empty, a
+    # constant shard_map's partitioner (Shardy) crashes on under tensor parallelism.
+    return jnp.pad(tokens.astype(jnp.int32), (0, size - tokens.shape[0]))
 
 
 # Copy-on-write is its own small program, run before a step only when that step has copies:
 # inside the step program every step would copy a batch of padding pages (sink to sink) in every
-# layer.
-_copy_pages = jax.jit(copy_pages, donate_argnums=0)
+# layer. Under tensor parallelism each shard copies its heads' pages.
+@functools.cache
+def _copy_pages(tp: int):
+    fn = copy_pages if tp == 1 else shard(copy_pages, tp, in_specs=(KV_SPECS, *[REPLICATED] * 4),
+                                          out_specs=KV_SPECS)
+    return jax.jit(fn, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -181,10 +202,14 @@ class ModelRunner:
         self.graphdef, self.state_def = HashOnce(graphdef), HashOnce(treedef)
         self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
         self._exes: dict = {}  # shape -> executable, this runner's view of COMPILER
-        self.vocab_size = model.embed_tokens.get_value().shape[0]
+        self.vocab_size = model.vocab_size
+        self.tp = model.tp
+        self._tp = None if model.tp == 1 else HashOnce((model.tp, tuple(param_specs(state))))
         self.pools = layout.allocate()
-        # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape).
-        self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32)
+        # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape),
+        # on every device of the mesh under tensor parallelism (where the step's outputs are).
+        self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32,
+                                     device=sharding(self.tp, REPLICATED))
         # What a step program depends on besides the model's structure and its bucket shape
         # (COMPILER's keys): every array argument's shape and dtype but the inputs' (the bucket
         # shape's), so that engines of other batch sizes or pools never share a program.
@@ -332,7 +357,7 @@ class ModelRunner:
 
     def _static(self, kind, all_logits, hidden) -> dict:
         return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,
-                    use_pallas=self.use_pallas)
+                    use_pallas=self.use_pallas, tp=self._tp)
 
     def _host_copies(self, host_pools):
         """Run the host tier's queued write-backs and loads (cache/host_pool.py) before the
@@ -354,5 +379,5 @@ class ModelRunner:
         n = max(len(base_pairs), len(res_pairs))
         size = size or (self.buckets.decode(n) if n <= self.buckets.decode_sizes[-1]
                         else 1 << (n - 1).bit_length())
-        self.pools = _copy_pages(self.pools, *copy_index_arrays(base_pairs, size),
-                                 *copy_index_arrays(res_pairs, size))
+        self.pools = _copy_pages(self.tp)(self.pools, *copy_index_arrays(base_pairs, size),
+                                          *copy_index_arrays(res_pairs, size))

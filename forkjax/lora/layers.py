@@ -6,6 +6,7 @@ writer (slots.py) fills its A rows and B's; the batched matmul it runs is batche
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -32,12 +33,19 @@ class LoRALinear(nnx.Module):
     `weight` holds the O base rows only, and each token's shrink and expand run against its own
     slot in the SGMV kernels (pallas_kernels/sgmv): the cost follows the adapters in the batch,
     not N. `project` then returns xW + b and each part's own-slot xA [T, R] (not every slot's).
+
+    `reduce` (a mesh axis name; tensor_parallel.py): a row-parallel projection, whose input and
+    weight columns are one shard's: `project`'s partial sums, xW and xA alike, are all-reduced
+    over that axis (S-LoRA: the shrink's R columns ride on the base output's all-reduce).
     """
 
     def __init__(self, d_in: int, parts: dict[str, int], *, bias: bool, num_slots: int,
-                 rank: int, dtype, precision=None, lora: tuple[str, ...] = (), lora_path: str = "fused"):
+                 rank: int, dtype, precision=None, lora: tuple[str, ...] = (), lora_path: str = "fused",
+                 reduce: str | None = None):
         if lora_path not in LORA_PATHS:
             raise ValueError(f"lora_path={lora_path!r}: expected one of {', '.join(LORA_PATHS)}")
+        if reduce and bias:
+            raise ValueError("a row-parallel projection with a bias would add it once per shard")
         self.parts = tuple(parts.items())
         self.lora = tuple(p for p in parts if p in lora)
         self.out = sum(parts.values())
@@ -52,6 +60,7 @@ class LoRALinear(nnx.Module):
                                 for p in self.lora})
         self.slots = (num_slots, rank)
         self.precision = precision
+        self.reduce = reduce
 
     def a_rows(self, part: str, slot: int) -> int:
         """First row of `part`'s A for `slot` in `weight` (R rows; the fused path's layout)."""
@@ -77,11 +86,11 @@ class LoRALinear(nnx.Module):
         if self.bias is not None:
             bias = jnp.pad(self.bias[...], (0, w.shape[0] - self.out))  # no bias on the A rows
         y = linear_f32(x, w, self.precision, bias)
-        if self.lora_path == "fused" or not self.lora:
-            return y
-        slots = slots_from_group_sizes(group_sizes, x.shape[0])
-        return jnp.concatenate([y, *(sgmv.shrink(x, self.lora_a[p][...], slots).astype(y.dtype)
-                                     for p in self.lora)], axis=1)
+        if self.lora_path != "fused" and self.lora:
+            slots = slots_from_group_sizes(group_sizes, x.shape[0])
+            y = jnp.concatenate([y, *(sgmv.shrink(x, self.lora_a[p][...], slots).astype(y.dtype)
+                                      for p in self.lora)], axis=1)
+        return y if self.reduce is None else jax.lax.psum(y, self.reduce)
 
     def split(self, y, group_sizes) -> dict:
         """`project`'s output -> what `__call__` returns."""

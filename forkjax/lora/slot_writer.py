@@ -10,6 +10,8 @@ projection's weight and B writes it into the slot's rows in place (zeros into th
 the adapter does not target, so a slot holds exactly one adapter's function). Both are
 dispatched, not waited for: the copy runs beside the step in flight, and the write, ordered
 after that step by the donation, before the next one (JAX orders work on a buffer by dispatch).
+Under tensor parallelism the image goes to the mesh in the parameters' layout and each shard
+writes its own rows (tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -22,10 +24,33 @@ import numpy as np
 
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import BASE_SLOT, _projection, check_fits, lora_modules, slot_rank
+from forkjax.lora.targets import holder_of
+from forkjax.tensor_parallel import REPLICATED, shard, sharding, spec_of
 
 
-@functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))
-def _write(weights, bs, image, slot, plan):
+@functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0, 1))
+def _write(weights, bs, image, slot, plan, tp: int):
+    """`_write_slot`, per shard under tensor parallelism (`tp` > 1; `plan`'s rows are a shard's)."""
+    if tp == 1:
+        return _write_slot(weights, bs, image, slot, plan)
+    w_specs, b_specs = [None] * len(weights), [None] * len(bs)
+    for module, _, first_row, w_ids, b_ids in plan:
+        for wi in w_ids:
+            w_specs[wi] = spec_of(f"lora_a.{module}" if first_row is None else f"{holder_of(module)}.weight")
+        for bi in b_ids:
+            b_specs[bi] = spec_of(f"lora_b.{module}")
+    specs = (tuple(w_specs), tuple(b_specs))
+    return shard(functools.partial(_write_slot, plan=plan), tp, out_specs=specs,
+                 in_specs=(*specs, image_specs(image), REPLICATED))(weights, bs, image, slot)
+
+
+def image_specs(image: dict) -> dict:
+    """The PartitionSpecs of a slot image {module: (A^T [L, R, in], B [L, R, out])}: those of the
+    module's lora_a and lora_b (their slot axis is the image's layer axis)."""
+    return {m: (spec_of(f"lora_a.{m}"), spec_of(f"lora_b.{m}")) for m in image}
+
+
+def _write_slot(weights, bs, image, slot, plan):
     """weights (where the A's lie: every LoRA projection's stacked weight, or on the sgmv path
     every lora_a [N, R, in]) and bs (every B [N, R, out]) with the slot's rows replaced: `plan`
     holds per module (name, in the image, its slot-0 A row in the stacked weight or None for
@@ -51,6 +76,7 @@ class SlotWriter:
 
     def __init__(self, model, device=None):
         self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), len(model.layers)
+        self.tp = model.tp
         device = device or jax.devices()[0]
         # Pinned memory speeds the copy to a GPU; a CPU's device memory is host memory already.
         self._host = (jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -112,12 +138,15 @@ class SlotWriter:
         if adapter is not None:
             if self._images.get(adapter.name, (None,))[0] != adapter.content_hash:
                 self.prepare(model, adapter)
-            image = jax.device_put(self._images[adapter.name][1], self._device)
+            image = self._images[adapter.name][1]
+            where = self._device if self.tp == 1 else {
+                m: tuple(sharding(self.tp, spec) for spec in specs) for m, specs in image_specs(image).items()}
+            image = jax.device_put(image, where)
         plan = tuple((module, module in image, *rest) for module, *rest in self._plan)
         # The raw values: get_value / set_value copy through a tree map, ~25 µs a variable
         old = [v.get_raw_value() for v in self._vars]
         k = self._num_weights
-        new_w, new_b = _write(tuple(old[:k]), tuple(old[k:]), image, jnp.int32(slot), plan)
+        new_w, new_b = _write(tuple(old[:k]), tuple(old[k:]), image, jnp.int32(slot), plan, self.tp)
         for v, value in zip(self._vars, new_w + new_b):
             v.set_raw_value(value)
         return list(zip(old, new_w + new_b))

@@ -10,15 +10,14 @@ from __future__ import annotations
 import collections
 
 from forkjax.lora.peft import LoraAdapter
-from forkjax.lora.targets import BLOCK, STACKED, TARGETS
+from forkjax.lora.targets import BLOCK, TARGETS, holder_of
 
 BASE_SLOT = 0
 
 
 def _projection(model, layer: int, module: str):
     """The `LoRALinear` of decoder layer `layer` that holds HF projection `module`."""
-    holder = next((name for name, parts in STACKED.items() if module in parts), module)
-    return getattr(getattr(model.layers[layer], BLOCK[module]), holder)
+    return getattr(getattr(model.layers[layer], BLOCK[module]), holder_of(module))
 
 
 def slot_rank(model) -> int:

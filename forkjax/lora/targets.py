@@ -13,5 +13,12 @@ BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 # Stacked projections (`LoRALinear` over several parts, vLLM's packed modules) -> the HF
 # projections they hold, in row order; the others are stored alone under their own name.
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def holder_of(module: str) -> str:
+    """The attribute of its block that stores HF projection `module` (`qkv_proj` for q_proj)."""
+    return next((name for name, parts in STACKED.items() if module in parts), module)
+
+
 # The cache stores xA of k and v as the residual: those two always carry LoRA slots.
 ALWAYS_LORA = ("k_proj", "v_proj")

@@ -76,11 +76,11 @@ def random_weight(seed: int, name: str, shape, dtype):
 
 
 def load_builtin(name: str, *, num_slots: int, rank: int, dtype, seed: int = 0, progress=False,
-                 lora_targets=TARGETS, lora_path: str = "fused"):
+                 lora_targets=TARGETS, lora_path: str = "fused", tp: int = 1):
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[name])
     get = lambda n, shape, dt: random_weight(seed, n, shape, dt)  # noqa: E731
     return cfg, build_model(cfg, get, num_slots=num_slots, rank=rank, dtype=dtype, progress=progress,
-                            lora_targets=lora_targets, lora_path=lora_path)
+                            lora_targets=lora_targets, lora_path=lora_path, tp=tp)
 
 
 def random_adapter(name: str, cfg: ModelConfig, rank: int, alpha: float, targets, seed: int) -> LoraAdapter:

@@ -26,6 +26,7 @@ from forkjax.config import ModelConfig
 from forkjax.lora.targets import STACKED, TARGETS
 from forkjax.models.transformer import CausalLM
 from forkjax.rope import rope_inv_freq
+from forkjax.tensor_parallel import global_shape, pad_vocab, place, spec_of, stacked_layout
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -41,19 +42,19 @@ def hf_name(path: tuple) -> str:
     return "model." + name
 
 
-def _projection(cfg: ModelConfig, get: ParamSource, path: tuple, spec) -> jax.Array:
-    """A (stacked) projection's weight or bias from its HF parts; the LoRA A rows after them
-    (`LoRALinear`) start at zero."""
+def _projection(cfg: ModelConfig, get: ParamSource, path: tuple, spec, tp: int) -> jax.Array:
+    """A (stacked) projection's weight or bias from its HF parts, the LoRA A rows after them
+    (`LoRALinear`) at zero; `spec`: one tensor-parallel shard's, the result global
+    (tensor_parallel.stacked_layout)."""
     shapes = cfg.projection_shapes()
     parts = []
     for part in STACKED.get(path[-2], (path[-2],)):
         d_in, d_out = shapes[part]
         shape = (d_out, d_in) if path[-1] == "weight" else (d_out,)
         parts.append(get(hf_name(path[:-2] + (part, path[-1])), shape, spec.dtype))
-    pad = spec.shape[0] - sum(p.shape[0] for p in parts)
-    if pad:
-        parts.append(jnp.zeros((pad,) + spec.shape[1:], spec.dtype))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    column = path[-2] in STACKED  # the stacked projections are the column-parallel ones
+    rows = sum(p.shape[0] for p in parts) // (tp if column else 1)  # one shard's base rows
+    return stacked_layout(parts, spec.shape[0] - rows, tp, column)
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
@@ -71,24 +72,31 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int, dtype,
-                progress: bool = False, lora_targets=TARGETS, lora_path: str = "fused") -> CausalLM:
-    """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice."""
+                progress: bool = False, lora_targets=TARGETS, lora_path: str = "fused",
+                tp: int = 1) -> CausalLM:
+    """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice.
+    `tp` > 1: each parameter in its tensor-parallel layout, placed on the mesh
+    (tensor_parallel.py)."""
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
-                                               lora_targets=lora_targets, lora_path=lora_path))
+                                               lora_targets=lora_targets, lora_path=lora_path, tp=tp))
     graphdef, state = nnx.split(abstract)
     flat = []
     for path, var in tqdm(list(nnx.to_flat_state(state)), desc="loading weights",
                           disable=not progress, unit="tensor"):
-        spec = var.get_value()
+        spec = var.get_value()  # one shard's shape
+        name = ".".join(str(p) for p in path)
         if path == ("inv_freq",):
             value = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         elif "lora_a" in path or "lora_b" in path:
-            value = jnp.zeros(spec.shape, spec.dtype)
+            value = jnp.zeros(global_shape(spec.shape, spec_of(name), tp), spec.dtype)
         elif path[-1] in ("weight", "bias") and path[-2].endswith("_proj"):
-            value = _projection(cfg, get, path, spec)
+            value = _projection(cfg, get, path, spec, tp)
+        elif path[0] in ("embed_tokens", "lm_head"):
+            value = pad_vocab(get(hf_name(path), (cfg.vocab_size, cfg.hidden_size), spec.dtype),
+                              spec.shape[0] * tp)
         else:
             value = get(hf_name(path), spec.shape, spec.dtype)
-        flat.append((path, var.replace(value)))
+        flat.append((path, var.replace(place(value, name, tp))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -113,7 +121,7 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
                     progress: bool = True, lora_targets=TARGETS,
-                    lora_path: str = "fused") -> tuple[ModelConfig, CausalLM]:
+                    lora_path: str = "fused", tp: int = 1) -> tuple[ModelConfig, CausalLM]:
     """Load `model_dir` (config.json + safetensors, single or sharded) strictly."""
     cfg = ModelConfig.from_hf(model_dir)
     where = checkpoint_files(model_dir)
@@ -127,12 +135,12 @@ def load_checkpoint(model_dir: str, *, num_slots: int, rank: int, dtype,
 
     return cfg, load_strict(model_dir, cfg, set(where), read, num_slots=num_slots, rank=rank,
                             dtype=dtype, progress=progress, lora_targets=lora_targets,
-                            lora_path=lora_path)
+                            lora_path=lora_path, tp=tp)
 
 
 def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[str], object], *,
                 num_slots: int, rank: int, dtype, progress: bool = True,
-                lora_targets=TARGETS, lora_path: str = "fused") -> CausalLM:
+                lora_targets=TARGETS, lora_path: str = "fused", tp: int = 1) -> CausalLM:
     """Build the model from the tensors `names` of a checkpoint (HF names; `read(name)` -> an
     array in HF's layout): every one must be used with the shape `cfg` implies, and every
     parameter set, or loading fails naming them (`source`: the file or directory, for errors)."""
@@ -158,7 +166,7 @@ def load_strict(source: str, cfg: ModelConfig, names: set[str], read: Callable[[
             return jnp.zeros(shape, dt)
 
     model = build_model(cfg, get_or_note, num_slots=num_slots, rank=rank, dtype=dtype,
-                        lora_targets=lora_targets, progress=progress, lora_path=lora_path)
+                        lora_targets=lora_targets, progress=progress, lora_path=lora_path, tp=tp)
     if missing:
         raise ValueError(f"{source}: checkpoint lacks {len(missing)} parameter(s): "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -28,6 +28,7 @@ from forkjax.lora.targets import ALWAYS_LORA, TARGETS
 from forkjax.models.attention import QKV
 from forkjax.models.layers import RMSNorm
 from forkjax.rope import rope_cos_sin, rope_inv_freq
+from forkjax.tensor_parallel import TP_AXIS, local_config
 
 
 @jax.tree_util.register_dataclass
@@ -43,11 +44,15 @@ AttnFn = Callable[..., tuple[jax.Array, Any]]
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, targets=TARGETS, **lora):
+    """`cfg`: one tensor-parallel shard's (its heads); `reduce`: the mesh axis o_proj's partial
+    sums are all-reduced over (row-parallel), None without tensor parallelism."""
+
+    def __init__(self, cfg: ModelConfig, targets=TARGETS, reduce=None, **lora):
         d, kv = cfg.hidden_size, cfg.kv_size
         self.qkv_proj = LoRALinear(d, {"q_proj": cfg.q_size, "k_proj": kv, "v_proj": kv},
                                    bias=cfg.attention_bias, lora=targets, **lora)
-        self.o_proj = LoRALinear(cfg.q_size, {"o_proj": d}, bias=False, lora=targets, **lora)
+        self.o_proj = LoRALinear(cfg.q_size, {"o_proj": d}, bias=False, lora=targets,
+                                 reduce=reduce, **lora)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
@@ -58,11 +63,12 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, targets=TARGETS, **lora):
+    def __init__(self, cfg: ModelConfig, targets=TARGETS, reduce=None, **lora):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = LoRALinear(d, {"gate_proj": f, "up_proj": f}, bias=False,
                                        lora=targets, **lora)
-        self.down_proj = LoRALinear(f, {"down_proj": d}, bias=False, lora=targets, **lora)
+        self.down_proj = LoRALinear(f, {"down_proj": d}, bias=False, lora=targets,
+                                    reduce=reduce, **lora)
 
     def __call__(self, x, gs):
         gate, up = self.gate_up_proj.merged(x, gs)
@@ -70,11 +76,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, **lora):
+    def __init__(self, cfg: ModelConfig, dtype, reduce=None, **lora):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, **lora)
+        self.self_attn = Attention(cfg, dtype=dtype, reduce=reduce, **lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype=dtype, **lora)
+        self.mlp = MLP(cfg, dtype=dtype, reduce=reduce, **lora)
 
     def __call__(self, layer, x, rope, batch, attn_fn, state):
         h, state = self.self_attn(layer, self.input_layernorm(x), rope, batch, attn_fn, state)
@@ -84,18 +90,26 @@ class DecoderLayer(nnx.Module):
 
 class CausalLM(nnx.Module):
     """HF `LlamaForCausalLM` / `Qwen2ForCausalLM` with N LoRA slots of rank R on the projections
-    named in `lora_targets` (k_proj and v_proj always), run on `lora_path` (lora/layers.py)."""
+    named in `lora_targets` (k_proj and v_proj always), run on `lora_path` (lora/layers.py).
+
+    `tp` > 1: the modules are one tensor-parallel shard's (tensor_parallel.py: its heads,
+    intermediate and vocabulary rows), run under `shard_map` over the mesh axis TP_AXIS; the
+    parameters hold the global arrays of that layout."""
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int, rank: int, dtype=jnp.float32,
-                 lora_targets=TARGETS, lora_path: str = "fused"):
+                 lora_targets=TARGETS, lora_path: str = "fused", tp: int = 1):
         self.dtype = dtype
+        self.tp, self.vocab_size = tp, cfg.vocab_size
+        reduce = TP_AXIS if tp > 1 else None
+        cfg = local_config(cfg, tp)
         # float32 means "exact": no TF32 on the GPU.
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         self.precision = precision
         lora = dict(num_slots=num_slots, rank=rank, precision=precision,
                     targets=tuple(lora_targets) + ALWAYS_LORA, lora_path=lora_path)
         self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, **lora) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, reduce=reduce, **lora)
+                                for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype)))
@@ -109,7 +123,7 @@ class CausalLM(nnx.Module):
         `kv_state` (the paged pools, or None) is threaded through `attn_fn` layer after layer, so
         the caller can donate it at the jit boundary and every write stays in place.
         """
-        x = self.embed_tokens[...][tokens]
+        x = self.embed(tokens)
         rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype, exact=False, full=True)
         hidden = [x] if output_hidden_states else []
         for i, layer in enumerate(self.layers):
@@ -118,7 +132,22 @@ class CausalLM(nnx.Module):
                 hidden.append(x)
         return self.norm(x), kv_state, hidden
 
+    def embed(self, tokens):
+        """tokens [T] int32 -> [T, d]. Under tensor parallelism each shard looks up the tokens
+        in its vocabulary rows (zeros for the others) and the shards' rows are summed."""
+        table = self.embed_tokens[...]
+        if self.tp == 1:
+            return table[tokens]
+        rows = table.shape[0]
+        local = tokens - jax.lax.axis_index(TP_AXIS) * rows
+        mine = (local >= 0) & (local < rows)
+        return jax.lax.psum(jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0), TP_AXIS)
+
     def logits(self, h):
-        """h [T, d] -> [T, vocab] float32."""
+        """h [T, d] -> [T, vocab] float32 (under tensor parallelism every shard's vocabulary
+        rows gathered, the padding cut)."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-        return linear(h, w, self.precision).astype(jnp.float32)
+        y = linear(h, w, self.precision).astype(jnp.float32)
+        if self.tp == 1:
+            return y
+        return jax.lax.all_gather(y, TP_AXIS, axis=1, tiled=True)[:, :self.vocab_size]
