@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fused: A as rows of each projection's GEMM (every token through every slot); "
                         "sgmv: each token against its own adapter slot, a cost that follows the "
                         "adapters in the batch (%(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model and the base KV cache are split over, by attention "
+                        "heads (%(default)s; no host KV tier then)")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters loaded at most, on the host (default: no bound)")
     p.add_argument("--pinned-lora", action="append", default=[], metavar="NAME",
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None):
             lora_target_modules=args.lora_target_modules, lora_path=args.lora_path, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
-            host_kv_bytes=args.host_kv_bytes,
+            host_kv_bytes=args.host_kv_bytes, tensor_parallel_size=args.tensor_parallel_size,
             session_ttl_s=args.session_ttl, warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
     except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")

@@ -38,16 +38,20 @@ from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 from forkjax.pallas_kernels.paged_attention import triton as triton_attention
 
 
+def device_bytes(x) -> int:
+    """Bytes of array `x` on one device (its shard under tensor parallelism)."""
+    return x.addressable_shards[0].data.nbytes
+
+
 def param_bytes(engine) -> int:
-    """Parameter bytes a decode step reads: all of them but the input embedding table, of which
-    a step reads one row a token (tied, the table is also the LM head and is counted). Counting
-    the whole table would add bytes no step reads (1.05 GB for Llama-3-8B)."""
+    """Parameter bytes a decode step reads on one device: all of them but the input embedding
+    table, of which a step reads one row a token (tied, the table is also the LM head and is
+    counted). Counting the whole table would add bytes no step reads (1.05 GB for Llama-3-8B)."""
     from flax import nnx
     model = engine.model
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    total = sum(device_bytes(x) for x in jax.tree.leaves(nnx.state(model)))
     if model.lm_head is not None:
-        table = model.embed_tokens[...]
-        total -= table.size * table.dtype.itemsize
+        total -= device_bytes(model.embed_tokens[...])
     return total
 
 
@@ -77,7 +81,8 @@ def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig,
     host = spent["schedule_s"] + spent["inputs_s"] + spent["postprocess_s"]
     for s in seqs:
         engine.abort(s)
-    kv_bytes = batch * (context + steps) * cfg.num_layers * 2 * cfg.kv_size * 2  # bf16 K and V
+    # bf16 K and V, a device's heads
+    kv_bytes = batch * (context + steps) * cfg.num_layers * 2 * cfg.kv_size * 2 // engine.model.tp
     res_bytes = batch * (context + steps) * cfg.num_layers * 2 * 16 * 2
     roof = (param_bytes(engine) + kv_bytes + res_bytes) / bw
     step = float(np.median(walls))
@@ -161,6 +166,8 @@ def main():
                     "decode and prefill per count (0: the base model) instead of the default sections")
     ap.add_argument("--max-loras", type=int, help="device adapter slots (default: max(--active) + 1, 8)")
     ap.add_argument("--lora-path", choices=("fused", "sgmv"), default="fused")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices the model is split over (kv-cache-bytes is per device)")
     ap.add_argument("--swap", action="store_true", help="the adapter swap section instead (4 slots, "
                     "8 adapters on the host)")
     args = ap.parse_args()
@@ -181,6 +188,7 @@ def main():
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(args.model, adapters=adapters, max_loras=max_loras,
                                             lora_path=args.lora_path,
+                                            tensor_parallel_size=args.tensor_parallel_size,
                                             cache_policy=args.policy,
                                             max_batch_size=max(64, *batches),
                                             kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
@@ -188,7 +196,8 @@ def main():
                                             deterministic=args.deterministic)
     load_s = time.perf_counter() - t
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
-                  policy=args.policy, lora_path=args.lora_path, overlap=engine.overlap, deterministic=args.deterministic,
+                  policy=args.policy, lora_path=args.lora_path,
+                  tensor_parallel_size=args.tensor_parallel_size, overlap=engine.overlap, deterministic=args.deterministic,
                   target_programs=triton_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,

@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "most 8 with --distinct-agents; more adapters swap in)")
     p.add_argument("--lora-path", choices=("fused", "sgmv"), default="fused",
                    help="the LoRA matmuls (Engine.from_pretrained lora_path)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model is split over (--kv-cache-bytes is per device; not "
+                        "with --replay, whose step costs are one device's)")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="(64 on a GPU and with --replay; the engine's default, 16, on a CPU)")
@@ -206,6 +209,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
                          "not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
+    if args.replay and args.tensor_parallel_size != 1:
+        raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
     if args.host_kv_bytes < 0:
         raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: expected bytes >= 0")
     args.host_kv_bytes = int(args.host_kv_bytes)
@@ -284,7 +289,7 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
         max_loras=args.max_loras or len(names) + 1, lora_path=args.lora_path,
-        residual_fanout=policy == "forkkv+fanout",
+        tensor_parallel_size=args.tensor_parallel_size, residual_fanout=policy == "forkkv+fanout",
         residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
         schedule_policy=args.schedule_policy, max_model_len=max_model_len,
         max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,

@@ -25,6 +25,10 @@
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
 #   mgpu_bench  bench_kernels.py --mgpu                             bench_kernels.*    ~5 min
 #   kvw     K/V write kernel tests (fan-out rows included)          kvw_tests.log      ~1 min
+#   tp      several GPUs: the tensor-parallel tests (Pallas path), then  tp/          ~8 min
+#           bench_engine.py llama3-8b-random at TP $TP_SIZES (1,2): decode B=64 at 2k, prefill 8k
+#   tp70    bench_workflows.py ReAct headline on llama3.1-70b-random at TP $TP (2),  tp70/  ~10 min
+#           $WF_COUNTS (16,32), $WF_POLICIES (prefix,forkkv,forkkv+fanout): one policy a command
 #   react   bench_workflows.py ReAct headline (3 agents x 4 rounds, react/, react.log   ~3-5 min
 #           4k context, 64 + 64 tokens a turn), policies $WF_POLICIES             a policy
 #           (default: all five), workflow slots $WF_COUNTS (4,16,32), workflows in all
@@ -132,6 +136,22 @@ for d in r["decode"]:
 print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
         ;;
+    tp)
+        run 400 tp_tests.log python3 -m pytest -q tests/test_tensor_parallel.py
+        mkdir -p "$OUT/tp"
+        for tp in $(echo "${TP_SIZES:-1,2}" | tr , ' '); do
+            run 300 tp/engine_tp$tp.log python3 scripts/bench_engine.py --model llama3-8b-random \
+                --batches 64 --context 2048 --prefill-tokens 8192 --steps ${ENGINE_STEPS:-12} \
+                --tensor-parallel-size $tp --out "$OUT/tp/engine_tp$tp.json"
+        done ;;
+    tp70)
+        policies=${WF_POLICIES:-prefix,forkkv,forkkv+fanout}
+        timeout 580 python3 scripts/bench_workflows.py --model llama3.1-70b-random \
+            --tensor-parallel-size "${TP:-2}" --pattern react --sweep "${WF_COUNTS:-16,32}" --obs 64 \
+            --context 4096 --gen 64 --total "${WF_TOTAL:-3x}" --policy "$policies" \
+            --out "$OUT/tp70_tp${TP:-2}" > "$OUT/tp70_tp${TP:-2}.log" 2>&1
+        echo "bench_workflows tp70: rc=$?"
+        tr '\r' '\n' < "$OUT/tp70_tp${TP:-2}.log" | grep -E "^react|Error" ;;
     kvw)
         run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
     react | mapreduce | parallel)

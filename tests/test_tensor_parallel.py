@@ -15,8 +15,10 @@ import forkjax
 from conftest import SMALL
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.models.loader import build_model
 from forkjax.tensor_parallel import local_config
 from hf_utils import hf_logits, load_hf, rel_err
+from test_engine_cache import _shared_a_adapters
 
 TINY = dict(SMALL, dtype="float32", max_prefill_tokens=32)  # 32: prompts of 50+ run in chunks
 
@@ -37,15 +39,17 @@ def _run(engine, names):
 
 
 @pytest.mark.parametrize("policy,fanout", [("prefix", False), ("forkkv", False), ("forkkv", True),
-                                           ("full_reuse", False)])
+                                           ("full_reuse", False), ("lrshared", False)])
 def test_tp2_equals_one_device(policy, fanout):
     runs = []
+    adapters = _shared_a_adapters(3) if policy == "lrshared" else None  # None: the demo agents
     for tp in (1, 2):
-        engine = forkjax.Engine.from_pretrained("tiny-llama", cache_policy=policy, residual_fanout=fanout,
-                                                tensor_parallel_size=tp, **TINY)
+        engine = forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, cache_policy=policy,
+                                                residual_fanout=fanout, tensor_parallel_size=tp, **TINY)
         runs.append(_run(engine, sorted(engine.slots.by_name)))
         if policy != "prefix":
-            assert engine.stats()["residual_hit_tokens" if fanout else "base_hit_tokens"] > 0
+            hits = "residual_hit_tokens" if fanout or policy == "lrshared" else "base_hit_tokens"
+            assert engine.stats()[hits] > 0
     (tokens1, logits1), (tokens2, logits2) = runs
     assert tokens1 == tokens2
     assert rel_err(logits2, logits1) < 1e-5
@@ -67,8 +71,8 @@ def test_tp2_params_and_pools_are_split():
     assert {s.data.shape[1] for s in pools.base_k.addressable_shards} == {1}
     assert pools.res_k.sharding.spec == P()
     assert {s.data.shape for s in pools.res_k.addressable_shards} == {pools.res_k.shape}
-    # a step keeps them so (the pools are donated and come back)
-    engine.generate([_prompt(3, 20)], adapters=["coder"], max_new_tokens=2)
+    # a step keeps them so (the pools are donated and come back); sessions are the host's
+    engine.generate([_prompt(3, 20)], adapters=["coder"], max_new_tokens=2, session_id="s", session_end=True)
     assert engine.runner.pools.base_k.sharding.spec == P(None, "tp")
 
 
@@ -109,8 +113,11 @@ def test_tensor_parallel_sizes_that_cannot_split_are_errors_at_start():
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-qwen2"])
     with pytest.raises(ValueError, match=r"6 attention heads"):
         local_config(dataclasses.replace(cfg, num_kv_heads=4), 4)
-    with pytest.raises(ValueError, match=r"only 4 local cpu device"):
-        forkjax.Engine.from_pretrained("tiny-llama", tensor_parallel_size=8, **TINY)
+    tp = 2 * jax.local_device_count()  # heads that split, devices too few: before any weight
+    wide = dataclasses.replace(cfg, num_heads=tp, num_kv_heads=tp, intermediate_size=tp)
+    with pytest.raises(ValueError, match=rf"only {tp // 2} local"):
+        build_model(wide, lambda *_: pytest.fail("a weight was made"), num_slots=2, rank=4,
+                    dtype=jax.numpy.float32, tp=tp)
     with pytest.raises(ValueError, match="host tier"):
         forkjax.Engine.from_pretrained("tiny-llama", tensor_parallel_size=2, host_kv_bytes=1 << 20, **TINY)
-    assert local_config(cfg, 2).vocab_size == 129 and jax.device_count() >= 4
+    assert local_config(cfg, 2).vocab_size == 129

@@ -13,7 +13,6 @@ from forkjax.models.builtin import (BUILTIN_CONFIGS, TINY_MODELS, demo_adapters,
                                     trained_adapters)
 from forkjax.models.gguf import PACKAGED, GGUFCheckpoint, is_gguf, packaged_path
 from forkjax.models.loader import load_checkpoint, load_strict
-from forkjax.tensor_parallel import make_mesh
 from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -21,7 +20,6 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
     """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter])."""
-    make_mesh(cfg.tensor_parallel_size)  # ValueError now if the devices are too few
     if isinstance(model, str) and model in BUILTIN_CONFIGS:
         model_cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[model])
         if adapters is None and model in TINY_MODELS:

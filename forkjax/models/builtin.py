@@ -40,6 +40,13 @@ BUILTIN_CONFIGS: dict[str, dict] = {
     "llama3.1-8b-random": dict(_LLAMA3_8B, max_position_embeddings=131072,
                                rope_parameters={"rope_theta": 500000.0, **_LLAMA3_SCALING},
                                eos_token_id=[128001, 128008, 128009]),
+    # Llama-3.1-70B's exact HF shapes (ForkKV's largest model): 140 GB of bf16 weights, for
+    # tensor_parallel_size 2 and up on H200s.
+    "llama3.1-70b-random": dict(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672,
+                                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                max_position_embeddings=131072,
+                                rope_parameters={"rope_theta": 500000.0, **_LLAMA3_SCALING},
+                                eos_token_id=[128001, 128008, 128009]),
     "qwen2.5-7b-random": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584,
                               intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                               num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,

@@ -26,7 +26,8 @@ from forkjax.config import ModelConfig
 from forkjax.lora.targets import STACKED, TARGETS
 from forkjax.models.transformer import CausalLM
 from forkjax.rope import rope_inv_freq
-from forkjax.tensor_parallel import global_shape, pad_vocab, place, spec_of, stacked_layout
+from forkjax.tensor_parallel import (global_shape, local_config, make_mesh, pad_vocab, place,
+                                     spec_of, stacked_layout)
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -77,6 +78,8 @@ def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int
     """Create a `CausalLM` whose base parameters come from `get`; nothing is allocated twice.
     `tp` > 1: each parameter in its tensor-parallel layout, placed on the mesh
     (tensor_parallel.py)."""
+    local_config(cfg, tp)  # ValueErrors before any weight is made: heads that do not split,
+    make_mesh(tp)  # and too few devices
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
                                                lora_targets=lora_targets, lora_path=lora_path, tp=tp))
     graphdef, state = nnx.split(abstract)
