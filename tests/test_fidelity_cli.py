@@ -131,3 +131,34 @@ def test_answer_checks_on_text(tmp_path):
     assert not correct(field, enc('{"city": "Paris"}'), tok) and not correct(field, enc("no json"), tok)
     assert correct(whole, enc('{"b": [2], "a": 1}'), tok) and not correct(whole, enc('{"a": 1}'), tok)
     assert exact.context == tuple(tok.encode("Q:")) and exact.prompt[-len(" capital?"):] == enc(" capital?")
+
+
+def _result(rng, n, policies, **over):
+    """A fidelity.json of `n` random task rows per policy."""
+    rows = {p: [dict(kl=float(rng.random()), top1=float(rng.random()), greedy_agreement=float(rng.integers(2)),
+                     accuracy=float(rng.integers(2)), layer_cosine=rng.random(3).tolist(), line=i + 1)
+                for i in range(n)] for p in policies}
+    return dict(model="m", adapters={"a": "A"}, lora_scale=1.0, dtype="float32", prompts="t.jsonl",
+                tasks=n, scored_tasks=n, command="cmd", exact_accuracy=0.5, per_task=rows) | over
+
+
+def test_merge_summarizes_the_runs_tasks_together(tmp_path):
+    from forkjax.fidelity.merge import main as merge_main, merge
+    from forkjax.fidelity.metrics import summarize
+    rng = np.random.default_rng(0)
+    runs = [_result(rng, 5, ["prefix", "forkkv", "base"]), _result(rng, 7, ["prefix", "forkkv"], exact_accuracy=0.25)]
+    for i, r in enumerate(runs):
+        os.makedirs(tmp_path / f"r{i}")
+        (tmp_path / f"r{i}" / "fidelity.json").write_text(json.dumps(r))
+    result = merge_main([str(tmp_path / "r0"), str(tmp_path / "r1"), "--out", str(tmp_path / "m")])
+    assert list(result["policies"]) == ["prefix", "forkkv"] and result["tasks"] == 12  # base: one run only
+    rows = runs[0]["per_task"]["forkkv"] + runs[1]["per_task"]["forkkv"]
+    assert result["policies"]["forkkv"]["kl"] == summarize(rows)["kl"]
+    diff = np.mean([r["accuracy"] for r in rows]) - np.mean(
+        [r["accuracy"] for r in runs[0]["per_task"]["prefix"] + runs[1]["per_task"]["prefix"]])
+    got = result["accuracy_differences"]["forkkv - prefix"]
+    assert got["tasks"] == 12 and abs(got["mean"] - diff) < 1e-12 and got["ci"][0] <= got["mean"] <= got["ci"][1]
+    assert result["exact_accuracy"] == (0.5 * 5 + 0.25 * 7) / 12
+    assert {"fidelity.json", "fidelity.png"} <= set(os.listdir(tmp_path / "m"))
+    with pytest.raises(ValueError, match="differ in lora_scale"):
+        merge([runs[0], dict(runs[1], lora_scale=0.5)])

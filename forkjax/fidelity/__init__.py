@@ -1,6 +1,7 @@
 """Fidelity of the cache policies on your own model, agents and prompts (`python -m
 forkjax.fidelity`, __main__.py): tasks from JSONL (tasks.py), each run alone (exact) and under
-every policy as served (runner.py), compared task by task with bootstrap intervals (metrics.py)."""
+every policy as served (runner.py), compared task by task with bootstrap intervals (metrics.py);
+runs over other task files merged into one result (`python -m forkjax.fidelity.merge`)."""
 
 from forkjax.fidelity.metrics import compare, paired_difference
 from forkjax.fidelity.runner import run_policy, targets_of

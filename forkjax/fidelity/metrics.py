@@ -56,10 +56,10 @@ def summarize(rows: list[dict], seed: int = 0) -> dict:
     return out
 
 
-def paired_difference(runs: list[dict], base: list[dict], seed: int = 0) -> dict | None:
+def paired_difference(runs: list[dict], base: list[dict], seed: int = 0, key: str = "correct") -> dict | None:
     """Accuracy of `runs` minus that of `base` on the same tasks, with its paired interval;
-    None without scored tasks."""
-    pairs = [(r["correct"], b["correct"]) for r, b in zip(runs, base) if r["correct"] is not None]
+    None without scored tasks. `key`: "correct" (runs) or "accuracy" (`per_task` rows)."""
+    pairs = [(r[key], b[key]) for r, b in zip(runs, base) if r[key] is not None]
     if not pairs:
         return None
     diff = np.array([float(a) - float(b) for a, b in pairs])
