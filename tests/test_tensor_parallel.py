@@ -121,3 +121,12 @@ def test_tensor_parallel_sizes_that_cannot_split_are_errors_at_start():
     with pytest.raises(ValueError, match="host tier"):
         forkjax.Engine.from_pretrained("tiny-llama", tensor_parallel_size=2, host_kv_bytes=1 << 20, **TINY)
     assert local_config(cfg, 2).vocab_size == 129
+
+
+def test_tp2_pallas_path_per_shard_gives_the_reference_tokens():
+    """The Pallas kernels (interpreted here, compiled on GPUs) run unchanged on each shard's heads."""
+    prompts, names = [_prompt(6, 35), _prompt(7, 70)], ["planner", "coder"]
+    outs = [forkjax.Engine.from_pretrained("tiny-llama", cache_policy="forkkv", tensor_parallel_size=tp,
+                                           use_pallas=pallas, **TINY).generate(prompts, adapters=names, max_new_tokens=4)
+            for tp, pallas in ((1, False), (2, True))]
+    assert outs[0] == outs[1]
