@@ -195,6 +195,7 @@ NUMBER_FLAGS = {
     "max_loras": (_positive, "an int >= 1 (the base model takes one slot)"),
     "max_lora_rank": (_positive, "an int >= 1"),
     "max_cpu_loras": (_positive, "an int >= 1"),
+    "tensor_parallel_size": (_positive, "a number of devices >= 1"),
     "kv_cache_bytes": (_positive, "a size > 0"),
     "max_request_bytes": (_positive, "a size > 0"),
     "seed": (lambda v: 0 <= v < 2**63, "an int in [0, 2**63)"),

@@ -27,6 +27,7 @@ BAD = [
     (["--max-loras", "0"], "--max-loras 0: expected an int >= 1"),
     (["--max-lora-rank", "0"], "--max-lora-rank 0: expected an int >= 1"),
     (["--max-cpu-loras", "0"], "--max-cpu-loras 0: expected an int >= 1"),
+    (["-tp", "0"], "--tensor-parallel-size 0: expected a number of devices >= 1"),
     (["--kv-cache-bytes", "0"], "--kv-cache-bytes 0: expected a size > 0"),
     (["--kv-cache-bytes", "0.4"], "--kv-cache-bytes 0: expected a size > 0"),  # rounds to 0 bytes
     (["--max-request-bytes", "0M"], "--max-request-bytes 0: expected a size > 0"),
@@ -44,7 +45,7 @@ BAD = [
 
 
 def test_every_numeric_flag_is_checked():
-    checked = {argv[0] for argv, _ in BAD}
+    checked = {"--tensor-parallel-size" if argv[0] == "-tp" else argv[0] for argv, _ in BAD}
     assert checked == {f"--{name.replace('_', '-')}" for name in NUMBER_FLAGS}
 
 
@@ -69,7 +70,7 @@ def test_edge_values_pass_the_check(argv, monkeypatch):
         main([*argv, "--compilation-cache-dir", ""])
 
 
-def test_adapter_swap_flags_reach_the_engine(monkeypatch):
+def test_adapter_and_parallelism_flags_reach_the_engine(monkeypatch):
     seen = {}
 
     def from_pretrained(model, **kw):
@@ -78,8 +79,9 @@ def test_adapter_swap_flags_reach_the_engine(monkeypatch):
     monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
     with pytest.raises(SystemExit):
         main(["--max-loras", "4", "--max-cpu-loras", "64", "--pinned-lora", "a", "--pinned-lora", "b",
-              "--compilation-cache-dir", ""])
+              "-tp", "2", "--compilation-cache-dir", ""])
     assert (seen["max_loras"], seen["max_cpu_loras"], seen["pinned_adapters"]) == (4, 64, ["a", "b"])
+    assert seen["tensor_parallel_size"] == 2
 
 
 def test_the_command_refuses_bad_numbers_before_loading():

@@ -89,7 +89,7 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, input
              prev_tokens, *, tp: HashOnce | None, **static):
     """The step program: `_step_body`, or under tensor parallelism (`tp`: the size and the
     parameters' PartitionSpecs) that body run per shard (tensor_parallel.py), every output but
-    the pools REPLICATED."""
+    the pools replicated."""
     body = functools.partial(_step_body, graphdef, state_def, **static)
     if tp is None:
         return body(state_leaves, pools, inputs, prev_tokens)
@@ -156,8 +156,8 @@ _step_cublas = jax.jit(_forward, **_JIT,
 
 
 def _pad_to(tokens, size: int):
-    # A pad, not a scatter into zeros: at full size that scatter's index array is empty, a
-    # constant shard_map's partitioner (Shardy) crashes on under tensor parallelism.
+    # A pad, not a scatter into zeros: at full size that scatter's index array is an empty
+    # constant, on which the partitioner (Shardy) crashes under tensor parallelism.
     return jnp.pad(tokens.astype(jnp.int32), (0, size - tokens.shape[0]))
 
 
