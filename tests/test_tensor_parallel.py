@@ -121,6 +121,8 @@ def test_tensor_parallel_sizes_that_cannot_split_are_errors_at_start():
     with pytest.raises(ValueError, match="host tier"):
         forkjax.Engine.from_pretrained("tiny-llama", tensor_parallel_size=2, host_kv_bytes=1 << 20, **TINY)
     assert local_config(cfg, 2).vocab_size == 129
+    big = ModelConfig.from_hf(BUILTIN_CONFIGS["llama3.1-70b-random"])  # 64 heads, 8 KV heads
+    assert [local_config(big, tp).num_kv_heads for tp in (2, 4, 8)] == [4, 2, 1]
 
 
 def test_tp2_pallas_path_per_shard_gives_the_reference_tokens():
