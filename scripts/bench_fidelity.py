@@ -10,8 +10,10 @@ those tasks, per adapter set.
     R=forkjax/models/adapters/smollm2-135m
     python scripts/bench_fidelity.py --adapters $R,/tmp/agents-r4,/tmp/agents-r16 --contexts 1024 \
         --policies forkkv,full_reuse,base --out /tmp/fidelity-rank
-    # the adapter-strength curve: the agents' B scaled
-    python scripts/bench_fidelity.py --quick --policies forkkv,full_reuse --scales 0.25,0.5,1,2 --out /tmp/fs
+    # the adapter-strength curve: the agents' B scaled; beside agents with LoRA on q and v only
+    python scripts/train_agents.py --targets q_proj,v_proj --sets own --out /tmp/agents-qv
+    python scripts/bench_fidelity.py --quick --adapters $R,/tmp/agents-qv --policies forkkv,full_reuse \
+        --scales 0.25,0.5,1,2 --out /tmp/fs
 
 Per directory one agent (the writer, each role in turn) prefills the directory; every other agent
 (a reader) then asks `--tasks` questions on it (`tasks.fidelity_lines`: the JSONL written to
@@ -26,9 +28,10 @@ Writes DIR/fidelity.json ({"policies": {name: {...}}, "sweep": [...], ...}: `pol
 first adapter set over every context, the sweep every policy at every (rank, context length)
 run, both from forkjax.fidelity's per-task rows), DIR/fidelity.png (accuracy and KL per run),
 DIR/sweep.png (loss against context length and rank), with --scales DIR/strength.png (each
-policy's loss and the adapters' own effect as their B is scaled: ForkKV Fig. 5's relation),
-and per run forkjax.fidelity's own output (layer_cosine.png among it) under
-DIR/rank<r>[-shared-a]/ and DIR/scale<s>/.
+set's policies' loss as their B is scaled, and against the adapters' own effect: ForkKV Fig.
+5's relation), and per run forkjax.fidelity's own output (layer_cosine.png among it) under
+DIR/<set>[-shared-a]/ and DIR/<set>-scale<s>/, <set> `rank<r>` and the targets' initials unless
+q/k/v/o (`rank8-qv`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import time
 
 from forkjax.fidelity.__main__ import main as fidelity
 from forkjax.fidelity.metrics import summarize
+from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import trained_adapters
 from forkjax.models.gguf import GGUFCheckpoint, packaged_path
 from forkjax.workflows.tasks import fidelity_lines
@@ -60,7 +64,7 @@ def main(argv=None):
                          "the first gives `policies`, all of them the sweep (e.g. other ranks)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--scales", default="", help="adapter strengths (factors on B, e.g. "
-                    "0.25,0.5,1,2): the first set's runs for the strength curve (strength.png)")
+                    "0.25,0.5,1,2): every set's runs for the strength curve (strength.png)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="fidelity_out")
     args = ap.parse_args(argv)
@@ -89,13 +93,13 @@ def main(argv=None):
                   strength=[])
     served = [p for p in policies if p != "lrshared"]
     for k, (own, shared) in enumerate(sets):
-        rank = adapter_rank(own)
+        rank, label = adapter_rank(own), set_label(own)
         runs = [("", own, served)] + ([("-shared-a", shared, ["lrshared"])] if "lrshared" in policies else [])
         for suffix, adapters, names in runs:
             t = time.perf_counter()
-            r, lines = run_fidelity(os.path.join(args.out, f"rank{rank}{suffix}"), adapters, names,
+            r, lines = run_fidelity(os.path.join(args.out, f"{label}{suffix}"), adapters, names,
                                     tokenizer, args)
-            result["seconds"][f"rank {rank}{suffix}"] = time.perf_counter() - t
+            result["seconds"][f"{label}{suffix}"] = time.perf_counter() - t
             context_of = {n + 1: c for n, c in enumerate(_contexts(lines, args))}  # by line
             for policy, rows in r["per_task"].items():
                 name = "prefix/shared-a" if suffix and policy == "prefix" else policy
@@ -103,17 +107,21 @@ def main(argv=None):
                     result["policies"][name] = r["policies"][policy]
                 for n in args.contexts:
                     pick = [row for row in rows if context_of[row["line"]] == n]
-                    result["sweep"].append(dict(policy=name, context=n, rank=rank, **summarize(pick, args.seed)))
+                    result["sweep"].append(dict(policy=name, context=n, rank=rank, set=label,
+                                                **summarize(pick, args.seed)))
     # ForkKV Fig. 5's relation: each policy's loss against the adapters' own effect (`base`'s
-    # KL), the first set's B scaled.
-    for scale in args.scales:
-        t = time.perf_counter()
-        r, _ = run_fidelity(os.path.join(args.out, f"scale{scale:g}"), sets[0][0],
-                            [*dict.fromkeys([*served, "base"])], tokenizer, args, scale)
-        result["seconds"][f"scale {scale:g}"] = time.perf_counter() - t
-        for policy, m in r["policies"].items():
-            result["strength"].append(dict(scale=scale, policy=policy, adapter_kl=r["policies"]["base"]["kl"],
-                                           **{key: m[key] for key in ("kl", "kl_ci", "accuracy", "greedy_agreement")}))
+    # KL), every set's B scaled.
+    for own, _ in sets if args.scales else []:
+        label = set_label(own)
+        for scale in args.scales:
+            t = time.perf_counter()
+            r, _ = run_fidelity(os.path.join(args.out, f"{label}-scale{scale:g}"), own,
+                                [*dict.fromkeys([*served, "base"])], tokenizer, args, scale)
+            result["seconds"][f"{label} scale {scale:g}"] = time.perf_counter() - t
+            for policy, m in r["policies"].items():
+                result["strength"].append(dict(
+                    set=label, scale=scale, policy=policy, adapter_kl=r["policies"]["base"]["kl"],
+                    **{key: m[key] for key in ("kl", "kl_ci", "accuracy", "greedy_agreement")}))
     result["total_s"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "fidelity.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -145,8 +153,19 @@ def _contexts(lines: list[dict], args) -> list[int]:
 
 
 def adapter_rank(adapters: dict) -> int:
+    return _adapter_config(adapters)["r"]
+
+
+def set_label(adapters: dict) -> str:
+    """`rank<r>`, then the targeted projections' initials unless they are q/k/v/o (`rank8-qv`)."""
+    targets = [t for t in TARGETS if t in _adapter_config(adapters)["target_modules"]]
+    suffix = "" if targets == list(TARGETS[:4]) else "-" + "".join(t[0] for t in targets)
+    return f"rank{adapter_rank(adapters)}{suffix}"
+
+
+def _adapter_config(adapters: dict) -> dict:
     with open(os.path.join(next(iter(adapters.values())), "adapter_config.json")) as f:
-        return json.load(f)["r"]
+        return json.load(f)
 
 
 def plot(result: dict, out: str):
@@ -155,10 +174,10 @@ def plot(result: dict, out: str):
     import matplotlib.pyplot as plt
     names = list(result["policies"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    for rank, n in dict.fromkeys((r["rank"], r["context"]) for r in result["sweep"]):
-        rows = {r["policy"]: r for r in result["sweep"] if (r["rank"], r["context"]) == (rank, n)}
-        a.plot(names, [rows[p]["accuracy"] for p in names], marker="o", label=f"rank {rank}, {n} tokens")
-        b.plot(names, [rows[p]["kl"] for p in names], marker="o", label=f"rank {rank}, {n} tokens")
+    for label, n in dict.fromkeys((r["set"], r["context"]) for r in result["sweep"]):
+        rows = {r["policy"]: r for r in result["sweep"] if (r["set"], r["context"]) == (label, n)}
+        a.plot(names, [rows[p]["accuracy"] for p in names], marker="o", label=f"{label}, {n} tokens")
+        b.plot(names, [rows[p]["kl"] for p in names], marker="o", label=f"{label}, {n} tokens")
     a.set_ylabel("task accuracy")
     b.set_ylabel("KL(exact || policy), answer positions")
     b.set_yscale("symlog", linthresh=1e-4)
@@ -174,7 +193,9 @@ def plot(result: dict, out: str):
     for ax, (key, other) in zip(axes, (("context", "rank"), ("rank", "context"))):
         fixed = sweep[0][other]
         for p in names:
-            pts = sorted((r[key], r["kl"]) for r in sweep if r["policy"] == p and r[other] == fixed)
+            # lengths: the first set's; ranks: the sets on q/k/v/o
+            pts = sorted((r[key], r["kl"]) for r in sweep if r["policy"] == p and r[other] == fixed
+                         and r["set"] == (sweep[0]["set"] if key == "context" else f"rank{r['rank']}"))
             ax.plot(*zip(*pts), marker="o", label=p)
         ax.set_xscale("log", base=2)
         xs = sorted({r[key] for r in sweep if r[other] == fixed})
@@ -185,20 +206,29 @@ def plot(result: dict, out: str):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "sweep.png"), dpi=120)
-    if result["strength"]:  # each policy's KL and the adapters' own effect (`base`) per B scale
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        for p in dict.fromkeys(r["policy"] for r in result["strength"] if r["policy"] != "prefix"):
-            pts = sorted((r["scale"], r["kl"]) for r in result["strength"] if r["policy"] == p)
-            ax.plot(*zip(*pts), marker="o", ls="--" if p == "base" else "-",
-                    label="base (the adapters' own effect)" if p == "base" else p)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        xs = sorted({r["scale"] for r in result["strength"]})
-        ax.set_xticks(xs, [f"×{x:g}" for x in xs])
-        ax.set_xlabel("adapters' B scaled")
-        ax.set_ylabel("KL(exact || policy)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    if result["strength"]:  # per set, each policy's KL per B scale and against the adapters' own effect
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+        strength = result["strength"]
+        for i, label in enumerate(dict.fromkeys(r["set"] for r in strength)):
+            mine = [r for r in strength if r["set"] == label]
+            for j, p in enumerate(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "prefix")):
+                pts = sorted((r["scale"], r["kl"], r["adapter_kl"]) for r in mine if r["policy"] == p)
+                style = dict(marker="os^"[i % 3], ls="--" if p == "base" else "-", color=f"C{j}",
+                             alpha=1.0 if i == 0 else 0.6, label=f"{label}: {p}")
+                a.plot([x for x, _, _ in pts], [y for _, y, _ in pts], **style)
+                if p != "base":
+                    b.plot([e for _, _, e in pts], [y for _, y, _ in pts], **style)
+        xs = sorted({r["scale"] for r in strength})
+        a.set_xscale("log", base=2)
+        a.set_xticks(xs, [f"×{x:g}" for x in xs])
+        a.set_xlabel("adapters' B scaled (base: the adapters' own effect)")
+        b.set_xscale("log")
+        b.set_xlabel("the adapters' own effect: KL(exact || base)")
+        for ax in (a, b):
+            ax.set_yscale("log")
+            ax.set_ylabel("KL(exact || policy)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(os.path.join(out, "strength.png"), dpi=120)
     plt.close("all")

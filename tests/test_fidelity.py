@@ -4,6 +4,7 @@ exact, and `forkkv` (own residuals over another agent's base) stays closer to ex
 `full_reuse` (another agent's whole K/V). Two policies beside `prefix` keep the suite's time:
 every policy's engine path has its own tests, and the benchmark's full run covers all five."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -33,3 +34,23 @@ def test_quick_fidelity_run(tmp_path):
     assert (tmp_path / "rank8" / "layer_cosine.png").stat().st_size > 0
     for m in pol.values():  # forkjax.fidelity's intervals come along
         assert m["kl_ci"][0] <= m["kl"] <= m["kl_ci"][1]
+
+
+def test_strength_plot_and_set_labels_for_two_adapter_sets(tmp_path):
+    """--scales over a q/k/v/o and a q/v set: each set's curve in strength.png, sets named by
+    their rank and targets."""
+    spec = importlib.util.spec_from_file_location("bench_fidelity", REPO / "scripts" / "bench_fidelity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, targets in (("qkvo", ["k_proj", "q_proj", "v_proj", "o_proj"]), ("qv", ["v_proj", "q_proj"])):
+        (tmp_path / name / "a").mkdir(parents=True)
+        (tmp_path / name / "a" / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": targets}))
+    labels = [bench.set_label({"a": str(tmp_path / name / "a")}) for name in ("qkvo", "qv")]
+    assert labels == ["rank8", "rank8-qv"]
+    row = dict(kl=0.1, accuracy=0.5)
+    result = dict(policies={"prefix": row, "forkkv": row},
+                  sweep=[dict(row, policy=p, context=1024, rank=8, set=s) for s in labels for p in ("prefix", "forkkv")],
+                  strength=[dict(set=s, scale=x, policy=p, kl=0.01 * x, adapter_kl=x)
+                            for s in labels for x in (0.5, 1, 2) for p in ("prefix", "forkkv", "base")])
+    bench.plot(result, str(tmp_path))
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("fidelity.png", "sweep.png", "strength.png"))
