@@ -222,7 +222,6 @@ def plot(result: dict, out: str):
         a.set_xscale("log", base=2)
         a.set_xticks(xs, [f"×{x:g}" for x in xs])
         a.set_xlabel("adapters' B scaled (base: the adapters' own effect)")
-        b.set_xscale("log")
         b.set_xlabel("the adapters' own effect: KL(exact || base)")
         for ax in (a, b):
             ax.set_yscale("log")
