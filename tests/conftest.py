@@ -40,6 +40,7 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 # keep CI waiting for its whole length while the other worker stands idle.
 LONGEST = ("test_fidelity.py::test_quick_fidelity_run",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[forkkv]",
+           "test_tensor_parallel.py::test_tensor_parallel_cases_in_a_process_of_their_own",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[full_reuse]",
            "test_gguf.py::test_trained_agents_do_their_tasks", "test_readme.py::test_serving_example",
            "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s",
