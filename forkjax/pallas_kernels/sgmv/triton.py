@@ -64,6 +64,11 @@ def _slot_range(slots, num_slots: int):
     return jnp.min(slots), jnp.minimum(jnp.max(slots), num_slots - 1)
 
 
+def _has(slots, s):
+    """Whether slot `s` has a row in the block (a sum: Triton's lowering has no reduce_or)."""
+    return jnp.sum((slots == s).astype(jnp.int32)) > 0
+
+
 def _shrink_kernel(slots_ref, x_ref, a_ref, o_ref, *, num_slots, rank, block_k, d_in):
     slots = slots_ref[...]  # [block_t]
     first, last = _slot_range(slots, num_slots)
@@ -77,7 +82,7 @@ def _shrink_kernel(slots_ref, x_ref, a_ref, o_ref, *, num_slots, rank, block_k, 
         def product(out):
             acc = jax.lax.fori_loop(0, d_in // block_k, chunk, jnp.zeros(out.shape, jnp.float32))
             return jnp.where((slots == s)[:, None], acc, out)
-        return jax.lax.cond(jnp.any(slots == s), product, lambda out: out, out)  # empty slots: skip
+        return jax.lax.cond(_has(slots, s), product, lambda out: out, out)  # empty slots: skip
 
     out = jax.lax.fori_loop(first, last + 1, one_slot, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = out.astype(o_ref.dtype)
@@ -92,7 +97,7 @@ def _expand_kernel(slots_ref, xa_ref, b_ref, o_ref, *, num_slots, rank):
         mine = (slots == s)[:, None]
         # Other rows' products are dropped, not zeroed first: 0 × inf in B would be NaN.
         product = lambda acc: acc + jnp.where(mine, _dot(xa, b_ref[pl.ds(s * rank, rank), :]), 0.0)  # noqa: E731
-        return jax.lax.cond(jnp.any(mine), product, lambda acc: acc, acc)  # empty slots: skip
+        return jax.lax.cond(_has(slots, s), product, lambda acc: acc, acc)  # empty slots: skip
 
     acc = jax.lax.fori_loop(first, last + 1, one_slot, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
