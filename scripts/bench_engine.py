@@ -13,8 +13,8 @@ token.
 `--active 0,1,8,32,64`: the same decode (B = the largest of --batches) and prefill (--prefill-tokens
 cut into one prompt per adapter) with requests spread over K distinct adapters in device slots
 (K = 0: every request on the base model, the baseline), in one engine of max(K) + 1 slots (or
---max-loras). `--swap`: the visible cost of writing an adapter into a slot: decode steps of B - 1
-requests, each step joined by a 16-token request whose adapter is on the host (a swap every step)
+--max-loras). `--swap`: the visible cost of writing an adapter into a slot: decode steps of B - 2
+long requests, each step joined by a 16-token request whose adapter is on the host (a swap every step)
 against the same with the new requests' adapter resident.
 """
 
@@ -114,7 +114,10 @@ def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, h
     rotate through two free slots: a swap a step) against the same steps with the new requests
     on `resident` (no swap): median step walls, the wall a swap adds, the swaps' counters."""
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch - 1)]
+    # B - 2 long requests: with the request admitted this step and the one that finished last
+    # step (its result is taken in after this step launches), every step holds B rows, and no
+    # new request waits for a batch row instead of its slot.
+    prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch - 2)]
     engine.generate(prompts, adapters="agent", max_new_tokens=1)
     params = SamplingParams(max_new_tokens=3 * steps + 24, ignore_eos=True)
     seqs = [engine.add_request(p, "agent", params) for p in prompts]

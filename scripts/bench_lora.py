@@ -1,10 +1,9 @@
 """Multi-LoRA matmul formulations against the base projection they ride on.
 
 For T tokens spread evenly over N adapter slots, rank R, d_in -> d_out in bf16: the median time of
-the base matmul x·Wᵀ, of LoRA shrink+expand as a grouped GEMM (`jax.lax.ragged_dot`, XLA's and
-JAX's Pallas lowering), of the dense one-hot formulation `forkjax.lora.batched` uses (every
-token through every slot, 2·N·T·R·(d_in+d_out) FLOPs), and of the whole projection as the
-model runs it (`fused`: the N·R A rows appended to W, one GEMM, then the one-hot expand), to set
+the base matmul x·Wᵀ, of LoRA shrink+expand as a grouped GEMM (`jax.lax.ragged_dot`), of the
+dense one-hot formulation `forkjax.lora.batched` uses (every token through every slot,
+2·N·T·R·(d_in+d_out) FLOPs), and of the whole projection as the model runs it (`fused`: the N·R A rows appended to W, one GEMM, then the one-hot expand), to set
 beside the base matmul plus a grouped LoRA: `ragged_dot` or the SGMV kernels
 (`forkjax.pallas_kernels.sgmv`, GPU only: each token against its own slot). Writes JSON lines to
 --out.
@@ -46,24 +45,6 @@ def _ragged(x, a, b, gs):
 grouped = jax.jit(_ragged)
 
 
-def grouped_pallas(x, a, b, gs):
-    """The same grouped matmul through JAX's Pallas/Triton ragged_dot lowering (GPU only)."""
-    with _flag():
-        return _grouped_pallas(x, a, b, gs)
-
-
-_grouped_pallas = jax.jit(lambda x, a, b, gs: _ragged(x, a, b, gs))
-
-
-class _flag:
-    # Read when the function is lowered, and part of the jit cache key: hold it for every call.
-    def __enter__(self):
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
-
-    def __exit__(self, *exc):
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
-
-
 @jax.jit
 def onehot(x, a, b, gs):
     return lora_expand(lora_shrink(x, a, gs), b)
@@ -90,30 +71,31 @@ def main():
     p.add_argument("--slots", default="1,8,32,64", help="N values, comma-separated (%(default)s)")
     args = p.parse_args()
     key = jax.random.key(0)
-    rows = []
-    for t in map(int, args.tokens.split(",")):
-        for n in map(int, args.slots.split(",")):
-            for d_in, d_out in ((4096, 4096), (4096, 1024)):
-                r = 16
-                x = jax.random.normal(key, (t, d_in), jnp.bfloat16)
-                w = jax.random.normal(key, (d_out, d_in), jnp.bfloat16)
-                a = jax.random.normal(key, (n, d_in, r), jnp.bfloat16)
-                b = jax.random.normal(key, (n, r, d_out), jnp.bfloat16)
-                gs = jnp.full((n,), t // n, jnp.int32)
-                row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out, device=jax.devices()[0].device_kind,
-                           base_us=bench(base, x, w), grouped_us=bench(grouped, x, a, b, gs),
-                           onehot_us=bench(onehot, x, a.transpose(0, 2, 1), b, gs),  # [N, R, d_in]
-                           fused_us=bench(fused, x, jnp.concatenate([w, a.transpose(0, 2, 1).reshape(n * r, d_in)]),
-                                          b, gs))
-                if jax.default_backend() == "gpu":
-                    row["grouped_pallas_us"] = bench(grouped_pallas, x, a, b, gs)
-                    row["sgmv_us"] = bench(sgmv, x, a.transpose(0, 2, 1), b, slots_from_group_sizes(gs, t),
-                                           SgmvConfig.for_shapes(d_in, d_out))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(args.out, "w") as out:  # a line a row: a timed-out sweep keeps what it measured
+        for t in map(int, args.tokens.split(",")):
+            for n in map(int, args.slots.split(",")):
+                for d_in, d_out in ((4096, 4096), (4096, 1024)):
+                    row = measure(key, t, n, 16, d_in, d_out)
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(json.dumps(row), flush=True)
 
+
+def measure(key, t, n, r, d_in, d_out):
+    x = jax.random.normal(key, (t, d_in), jnp.bfloat16)
+    w = jax.random.normal(key, (d_out, d_in), jnp.bfloat16)
+    a = jax.random.normal(key, (n, d_in, r), jnp.bfloat16)
+    b = jax.random.normal(key, (n, r, d_out), jnp.bfloat16)
+    gs = jnp.full((n,), t // n, jnp.int32)
+    a_rows = a.transpose(0, 2, 1)  # [N, R, d_in]
+    row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out, device=jax.devices()[0].device_kind,
+               base_us=bench(base, x, w), grouped_us=bench(grouped, x, a, b, gs),
+               onehot_us=bench(onehot, x, a_rows, b, gs),
+               fused_us=bench(fused, x, jnp.concatenate([w, a_rows.reshape(n * r, d_in)]), b, gs))
+    if jax.default_backend() == "gpu":
+        row["sgmv_us"] = bench(sgmv, x, a_rows, b, slots_from_group_sizes(gs, t),
+                               SgmvConfig.for_shapes(d_in, d_out))
+    return row
 
 if __name__ == "__main__":
     main()

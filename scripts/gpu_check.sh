@@ -12,7 +12,7 @@
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
 #   tiers   the host tier's copies (pinned host memory) and engine     tiers.log          ~5 min
 #           outputs, adapter swapping
-#   adapters  bench_lora.py (T 64/2k/8k x N 1-128 slots), bench_engine.py --swap and      adapters/  ~6 min
+#   adapters  bench_lora.py (T 64/2k/8k x N 1-64 slots), bench_engine.py --swap and       adapters/  ~3 min
 #           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
 #   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
 #           on the LoRA path $LORA_PATH (fused, or sgmv), into active_<path>.json
@@ -101,7 +101,7 @@ for stage in "$@"; do
     adapters | active)
         mkdir -p "$OUT/adapters"
         if [ "$stage" = adapters ]; then
-            timeout 150 python3 scripts/bench_lora.py --tokens 64,2048,8192 --slots 1,8,32,64,128 \
+            timeout 150 python3 scripts/bench_lora.py --tokens 64,2048,8192 --slots 1,8,32,64 \
                 --out "$OUT/adapters/bench_lora.jsonl" > "$OUT/adapters/bench_lora.log" 2>&1
             echo "bench_lora: rc=$?"
             specs="noslots:--active_0_--max-loras_1 swap:--swap"
