@@ -242,3 +242,36 @@ def test_session_next_s_loads_the_next_agents_path_back_before_its_next_request(
     # back keeps its host copy, so evicting it again copies nothing.
     assert cache.stats()["host_bytes_loaded"] == 20 * 1024 and cache.stats()["host_bytes_stored"] == 10 * 1024
     cache.check()
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+def test_the_branch_an_agents_next_prompt_leaves_is_retired(leaves):
+    """Parallel rounds: an agent's next prompt reads the shared history followed by every
+    answer, not its own answer in place, so the branch its last answer left is retired: evicted
+    first and never written back to the host. Where the next prompt extends the path (ReAct),
+    nothing is retired and eviction writes the answer back."""
+    cache = DualRadixCache("prefix", 16, base_pages=32, res_pages=0, base_page_bytes=1024,
+                           host_kv_bytes=1 << 20)
+    sessions = Sessions(cache, clock=lambda: 0.0, max_tokens=512)
+    shared, answer = _prompt(5, 160), _prompt(6, 48)
+
+    def added(prompt):
+        seq = Sequence(Request(tuple(prompt), "a0", "a0", SamplingParams(max_new_tokens=48),
+                               session_id="w"))
+        seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), 0.0
+        sessions.added(seq).admitted = True
+        return seq
+
+    seq = added(shared)
+    handle = cache.begin(np.asarray(shared, np.int32), "a0")
+    for tokens in (shared, shared + answer):  # as the engine commits: after prefill, at the end
+        tokens = np.asarray(tokens, np.int32)
+        handle.reserve(len(tokens))
+        handle.commit(tokens)
+    handle.release()
+    sessions.ended(seq, np.asarray(shared + answer, np.int32))  # the session holds the path
+    added(shared + (_prompt(7, 32) if leaves else answer + _prompt(8, 16)))
+    assert cache.evict(3) == 3  # the answer's pages: retired, or the least recently used
+    assert cache.match(shared + answer, "a0").base_len == 160
+    assert cache.stats()["host_bytes_stored"] == (0 if leaves else 3 * 1024)
+    cache.check()

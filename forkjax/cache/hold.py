@@ -42,13 +42,14 @@ class PrefixHold:
         self._versions = self.cache.versions  # the match may split nodes, never version them
         return True
 
-    def retire(self) -> None:
-        """Release, and tell the trees that nothing will ask for these paths again (their
-        workflow ended: `RadixTree.retire`)."""
+    def retire(self, beyond: int = 0) -> None:
+        """Release, and tell the trees that nothing will ask for these paths again, or for the
+        nodes of them that start at or after token `beyond` (`RadixTree.retire`)."""
+        self.refresh()
         nodes = self._nodes
         self.release()
         for tree, node in nodes:
-            tree.retire(node)
+            tree.retire(node, beyond)
 
     def release(self) -> None:
         for tree, node in self._nodes:

@@ -278,12 +278,14 @@ class RadixTree(HostTier):
         self._detach(node)
         return own
 
-    def retire(self, node: TreeNode) -> None:
-        """The path to `node` will not be asked for again (its workflow ended): its nodes that
-        no one else locks or holds leave the host now (host nodes with what is below them, the
-        host copies of device nodes) and are evicted first from the device, without a
-        write-back. A match that reaches one revives it."""
-        while node.parent is not None and node.alive and node.lock_ref == 0 and node.hold_ref == 0:
+    def retire(self, node: TreeNode, beyond: int = 0) -> None:
+        """The path to `node` will not be asked for again (its workflow ended), or its nodes
+        that start at or after token `beyond` (its holder's next request left the path there):
+        those of them no one else locks or holds leave the host now (host nodes with what is
+        below them, the host copies of device nodes) and are evicted first from the device,
+        without a write-back. A match that reaches one revives it."""
+        while (node.parent is not None and node.alive and node.start >= beyond
+               and node.lock_ref == 0 and node.hold_ref == 0):
             parent = node.parent
             if not node.on_device:
                 self._drop_host_subtree(node)  # everything below a host node is on the host

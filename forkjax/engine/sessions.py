@@ -157,7 +157,10 @@ class Sessions:
         s.live_paths[seq.id] = tuple(sum(p == pool for p, _ in seq.key_ns) for pool in POOLS)
         old = s.holds.pop(seq.adapter_key, None)
         if old is not None:
-            old.release()  # the new request holds what it reuses of that agent's path
+            # The new request holds what it reuses of that agent's path; where its prompt leaves
+            # the path, the rest is abandoned (parallel rounds: the next history reads an
+            # answer at another place), and retired rather than written back to a host tier.
+            old.retire(beyond=common_prefix_len(old.tokens, prompt))
         return s
 
     def ended(self, seq, tokens=None) -> None:
