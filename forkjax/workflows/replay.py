@@ -66,8 +66,9 @@ DECODE_TOKENS = 2048  # each request's tokens in those rows
 ATTENTION_BYTES_PER_S = 545e6 / 161e-6  # one layer's K/V at B=64 over its attention time
 PREFILL = (8191, 0.267, 2048)  # prompt tokens, seconds to the first token, tokens a step
 MEASURED_MODEL = "llama3-8b-random"
-# BENCHMARKS.md, Host tier: (bytes, store seconds, load seconds) of two copy sizes (H200, e2a526b).
-HOST_COPY_ROWS = ((1 << 26, 2.173e-3, 2.237e-3), (1 << 30, 21.19e-3, 25.18e-3))
+# BENCHMARKS.md, Host tier: (bytes, store seconds, load seconds) of copies of 1-256 2 MiB pages.
+HOST_COPY_ROWS = ((1 << 21, 0.616e-3, 1.121e-3), (1 << 23, 0.597e-3, 0.923e-3),
+                  (1 << 26, 1.954e-3, 2.077e-3), (1 << 29, 11.09e-3, 12.76e-3))
 HOST_S_PER_REQUEST = 7.2e-3  # host time a request costs beyond overlap (module docstring)
 IDLE_S = 1e-3  # a step with nothing to run (requests wait for admission): the loop polls again
 MAX_IDLE_S = 3600.0  # that long with work and nothing to run: the scheduler is stuck
@@ -108,8 +109,9 @@ class StepCost:
         ends = list(range(chunk, tokens, chunk)) + [tokens]
         per_token = (seconds - len(ends) * fixed - read(sum(ends))) / tokens
         scale = _weights(cfg) / _weights(ref)
-        (x0, *t0), (x1, *t1) = HOST_COPY_ROWS
-        copy = tuple((a - (b - a) / (x1 - x0) * x0, (b - a) / (x1 - x0)) for a, b in zip(t0, t1))
+        rows = np.array(HOST_COPY_ROWS)
+        # fixed + bytes · slope per direction, fitted to relative error (small copies matter)
+        copy = tuple(tuple(np.polyfit(rows[:, 0], t, 1, w=1 / t)[::-1].tolist()) for t in rows.T[1:])
         return cls(float(fixed * scale), float(per_seq * scale), float(per_token * scale),
                    ATTENTION_BYTES_PER_S, _kv_bytes_per_token(layout), copy)
 
