@@ -10,8 +10,9 @@
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
-#   tiers   the host tier's copies (pinned host memory) and engine     tiers.log          ~5 min
-#           outputs, adapter swapping
+#   tiers   the host tier's copies (pinned host memory) and engine     tiers.log          ~8 min
+#           outputs (compiles dominate: a warm compilation cache halves it)
+#   swaps   adapter swapping: outputs with more adapters than slots    swaps.log          ~5 min
 #   adapters  bench_lora.py (T 64/2k/8k x N 1-64 slots), bench_engine.py --swap and       adapters/  ~3 min
 #           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
 #   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
@@ -119,8 +120,9 @@ for stage in "$@"; do
     rebuild)
         run 420 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py ;;
     tiers)
-        run 420 tiers.log python3 -m pytest -q tests/test_cache_host_pool.py tests/test_engine_host_tier.py \
-            tests/test_engine_adapter_swap.py ;;
+        run 540 tiers.log python3 -m pytest -q tests/test_cache_host_pool.py tests/test_engine_host_tier.py ;;
+    swaps)
+        run 420 swaps.log python3 -m pytest -q tests/test_engine_adapter_swap.py ;;
     hardening)
         run 240 hardening.log python3 -m pytest -q tests/test_deterministic.py tests/test_isolation.py ;;
     engine | det)
