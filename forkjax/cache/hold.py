@@ -45,7 +45,6 @@ class PrefixHold:
     def retire(self, beyond: int = 0) -> None:
         """Release, and tell the trees that nothing will ask for these paths again, or for the
         nodes of them that start at or after token `beyond` (`RadixTree.retire`)."""
-        self.refresh()
         nodes = self._nodes
         self.release()
         for tree, node in nodes:
