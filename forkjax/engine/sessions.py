@@ -28,9 +28,10 @@ count as room (evicting them writes them back to the host), and come back when i
 admitted, or, for the agent expected next, shortly before it is due (`prefetch`). A session that
 ends retires its paths (`RadixTree.retire`): nothing asks for them again, so they leave the host at
 once and the device first, without a write-back; so does an agent's next request the part of the
-agent's path its prompt leaves (in parallel rounds each answer is read again at another place). A session that does not pause keeps its whole
-projection on the device, as without a tier: otherwise its agents' paths would be copied out and
-back in at every turn, for no idle time to fill.
+agent's path its prompt leaves (in parallel rounds each answer is read again at another place). A
+session that does not pause keeps its whole projection on the device, as without a tier:
+otherwise its agents' paths would be copied out and back in at every turn, for no idle time to
+fill.
 """
 
 from __future__ import annotations
