@@ -18,33 +18,43 @@ from forkjax.tokenizer import ByteTokenizer, load_tokenizer
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
-    """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter])."""
+def describe_model(model):
+    """-> (ModelConfig, tokenizer | None, source) of a built-in name, a packaged model, a .gguf
+    file or a checkpoint directory, without reading its weights; source: ("builtin", name),
+    ("gguf", GGUFCheckpoint) or ("dir", path)."""
     if isinstance(model, str) and model in BUILTIN_CONFIGS:
-        model_cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[model])
-        if adapters is None and model in TINY_MODELS:
-            adapters = demo_adapters(model_cfg)
-        loaded = read_adapters(adapters or {}, model_cfg)
-        _, net = load_builtin(model, seed=seed, **_model_options(loaded, cfg))
-        return model_cfg, net, ByteTokenizer() if model in TINY_MODELS else None, loaded
+        tokenizer = ByteTokenizer() if model in TINY_MODELS else None
+        return ModelConfig.from_hf(BUILTIN_CONFIGS[model]), tokenizer, ("builtin", model)
     if isinstance(model, str) and model in PACKAGED:
-        if adapters is None:
-            adapters = trained_adapters(model)
         model = packaged_path(model)
     if is_gguf(model):
         ckpt = GGUFCheckpoint(os.fspath(model))
-        model_cfg = ModelConfig.from_hf(ckpt.config)
-        loaded = read_adapters(adapters or {}, model_cfg)
-        net = load_strict(ckpt.path, model_cfg, ckpt.names, ckpt.read, **_model_options(loaded, cfg))
-        return model_cfg, net, ckpt.tokenizer(), loaded
+        return ModelConfig.from_hf(ckpt.config), ckpt.tokenizer(), ("gguf", ckpt)
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
         path = os.fspath(model)
-        model_cfg = ModelConfig.from_hf(path)
-        loaded = read_adapters(adapters or {}, model_cfg)
-        _, net = load_checkpoint(path, **_model_options(loaded, cfg))
-        return model_cfg, net, load_tokenizer(path), loaded
+        return ModelConfig.from_hf(path), load_tokenizer(path), ("dir", path)
     raise ValueError(f"model={model!r}: not a checkpoint directory, a .gguf file nor a built-in "
                      f"model ({', '.join([*BUILTIN_CONFIGS, *PACKAGED])})")
+
+
+def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
+    """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter]); the
+    tiny built-in models bring their demo adapters, packaged ones their trained agents, where
+    `adapters` is None."""
+    model_cfg, tokenizer, (kind, source) = describe_model(model)
+    if adapters is None and kind == "builtin" and model in TINY_MODELS:
+        adapters = demo_adapters(model_cfg)
+    elif adapters is None and isinstance(model, str) and model in PACKAGED:
+        adapters = trained_adapters(model)
+    loaded = read_adapters(adapters or {}, model_cfg)
+    options = _model_options(loaded, cfg)
+    if kind == "builtin":
+        _, net = load_builtin(source, seed=seed, **options)
+    elif kind == "gguf":
+        net = load_strict(source.path, model_cfg, source.names, source.read, **options)
+    else:
+        _, net = load_checkpoint(source, **options)
+    return model_cfg, net, tokenizer, loaded
 
 
 def _model_options(loaded: list[LoraAdapter], cfg: EngineConfig) -> dict:

@@ -22,7 +22,7 @@ import time
 from tqdm import tqdm
 
 import forkjax
-from forkjax.engine.loading import read_adapters
+from forkjax.engine.loading import describe_model, read_adapters
 from forkjax.fidelity.metrics import paired_difference, per_task, summarize
 from forkjax.fidelity.plots import plot
 from forkjax.fidelity.runner import SLACK_TOKENS, run_policy, targets_of
@@ -86,17 +86,15 @@ def build_engine(args, policy: str, max_len: int):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    probe = build_engine(args, "exact", max_len=None)  # the tokenizer and the model's context
-    tasks = load_tasks(args.prompts, probe.tokenizer, args.adapters)
+    model_cfg, tokenizer, _ = describe_model(args.model)  # no weights read yet
+    adapters = read_adapters(args.adapters, model_cfg)  # a wrong adapter dir fails here
+    tasks = load_tasks(args.prompts, tokenizer, args.adapters)
     longest = max(len(t.prompt) + (len(t.answer) + SLACK_TOKENS if t.answer else args.max_new_tokens)
                   for t in tasks)
-    if longest > probe.max_model_len:
+    if longest > model_cfg.max_position_embeddings:
         raise ValueError(f"{args.prompts}: a task needs {longest} tokens, past the model's "
-                         f"{probe.max_model_len}")
-    if args.lora_scale != 1.0:
-        args.adapters = {a.name: a.scaled(args.lora_scale)
-                         for a in read_adapters(args.adapters, probe.model_cfg)}
-    probe.close()
+                         f"{model_cfg.max_position_embeddings}")
+    args.adapters = {a.name: a.scaled(args.lora_scale) if args.lora_scale != 1.0 else a for a in adapters}
     # Every engine sized to the longest task: equal shapes, so they share compiled programs, and
     # page tables only as wide as the tasks need (the model's whole context would make every
     # step attend over it: ten times slower on the CPU for SmolLM2's 8k and tasks of 600 tokens).
