@@ -142,6 +142,9 @@ class EngineConfig:
     lora_path: str = "fused"
     residual_fanout: bool = False  # forkkv: requests write the residuals of the adapters in slots
     residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
+    # forkkv: residual token slots per base token slot, the adapters that read one context at
+    # once (a workflow's agents); None: every adapter that fits in a device slot
+    residual_copies: int | None = None
     schedule_policy: str = "lpm"  # "lpm" (cache-aware admission) | "fifo"
     # Logits bitwise independent of the batch, the chunking and prefix hits (buckets.py: fixed)
     deterministic: bool = False
@@ -158,7 +161,7 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {DTYPES}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: expected a positive int")
-        for name in ("kv_cache_bytes", "max_batch_size", "max_lora_rank", "max_cpu_loras"):
+        for name in ("kv_cache_bytes", "max_batch_size", "max_lora_rank", "max_cpu_loras", "residual_copies"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: expected a positive int or None")
@@ -180,5 +183,10 @@ class EngineConfig:
         if self.residual_fraction is not None and not (
                 isinstance(self.residual_fraction, (int, float)) and 0 < self.residual_fraction < 1):
             raise ValueError(f"residual_fraction={self.residual_fraction!r}: expected a number in (0, 1)")
+        if self.residual_copies is not None and self.residual_fraction is not None:
+            raise ValueError("residual_copies and residual_fraction both size the residual pool: give one")
+        if self.residual_copies is not None and self.cache_policy != "forkkv":
+            raise ValueError(f"residual_copies={self.residual_copies}: residuals per base token are "
+                             f"cache_policy='forkkv''s, not {self.cache_policy!r}'s")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected one of {SCHEDULE_POLICIES}")

@@ -19,7 +19,8 @@ final length) and `fanout_adapters` (forkkv: the agents whose residual KV the re
 writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
 none). A server started without --residual-fanout compiles the fan-out programs at the first
 such request. --schedule-policy picks the admission order (lpm: cached prefixes first, with a
-bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes.
+bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes (or
+--residual-copies: room for that many adapters' residuals of each cached token).
 --deterministic fixes every step's shapes, so a request's logits (bitwise) and greedy tokens do
 not depend on what runs beside it, on its prompt's chunking or on prefix hits (buckets.py).
 --warmup: the step programs compile in the background while the server already answers
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of --kv-cache-bytes for the residual pool, in (0, 1) (default: one "
                         "residual copy per base token per adapter that fits in a device slot)")
+    p.add_argument("--residual-copies", type=int, default=None,
+                   help="forkkv: room for this many residual copies of each cached base token, the "
+                        "adapters that read one context at once (default: every adapter that fits a slot)")
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
                    help="admission order: lpm serves cached prefixes first, with a bounded wait "
                         "(%(default)s)")
@@ -200,6 +204,7 @@ NUMBER_FLAGS = {
     "max_request_bytes": (_positive, "a size > 0"),
     "seed": (lambda v: 0 <= v < 2**63, "an int in [0, 2**63)"),
     "residual_fraction": (lambda v: 0 < v < 1, "a fraction strictly between 0 and 1"),
+    "residual_copies": (_positive, "an int >= 1"),
     "session_ttl": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
     "body_timeout": (lambda v: 0 < v < math.inf, "finite seconds > 0"),
     "shutdown_timeout": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None):
             pinned_adapters=args.pinned_lora, seed=args.seed,
             lora_target_modules=args.lora_target_modules, lora_path=args.lora_path, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
             residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
+            residual_copies=args.residual_copies,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
             host_kv_bytes=args.host_kv_bytes, tensor_parallel_size=args.tensor_parallel_size,
             session_ttl_s=args.session_ttl, warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)

@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every agent")
     p.add_argument("--distinct-agents", action="store_true",
                    help="every workflow slot brings agents of its own (N slots x agents adapters: "
-                        "workflow i runs group i %% N, the largest N of the sweep); fan-out names the group")
+                        "workflow i runs group i %% N, the largest N of the sweep); fan-out names the group, "
+                        "the residual pool has room for a workflow's agents")
     p.add_argument("--max-loras", type=int, default=None,
                    help="device adapter slots, the base model's included (default: one per agent, at "
                         "most 8 with --distinct-agents; more adapters swap in)")
@@ -233,9 +234,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
     args.kv_cache_bytes = int(args.kv_cache_bytes)
     if args.kv_cache_bytes < 1:
         raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
-    if args.distinct_agents and (args.replay or args.http):
-        raise ValueError("--distinct-agents: in process only (the replay has no adapter slots; "
-                         "the HTTP server loads its own adapters)")
+    if args.distinct_agents and args.http:
+        raise ValueError("--distinct-agents: not with --http (the HTTP server loads its own adapters)")
     if args.max_loras is not None and args.max_loras < 1:
         raise ValueError(f"--max-loras={args.max_loras}: expected >= 1")
     args.agents_per_workflow = len(agent_names(args.pattern, agents=args.agents, mappers=args.mappers))
@@ -290,13 +290,24 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
         max_loras=args.max_loras or len(names) + 1, lora_path=args.lora_path,
         tensor_parallel_size=args.tensor_parallel_size, residual_fanout=policy == "forkkv+fanout",
-        residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
-        schedule_policy=args.schedule_policy, max_model_len=max_model_len,
+        **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
+        max_model_len=max_model_len,
         max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,
         warmup=not args.no_warmup, progress=True,
         compile_workers=args.compile_workers)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
                         compile_breakdown=COMPILE_TIMES.since(before))
+
+
+def residual_sizing(args, policy: str) -> dict:
+    """The residual pool's sizing keyword: --residual-fraction, or with --distinct-agents room for
+    a workflow's agents' residuals of each base token (the engine's default, every adapter that
+    fits a slot, would spend the budget on copies no context has)."""
+    if policy not in WITH_RESIDUAL:
+        return {}
+    if args.residual_fraction is None and args.distinct_agents and policy != "lrshared":
+        return dict(residual_copies=args.agents_per_workflow)
+    return dict(residual_fraction=args.residual_fraction)
 
 
 def build_replay(args, policy: str, names: list[str], max_model_len: int):
@@ -307,9 +318,8 @@ def build_replay(args, policy: str, names: list[str], max_model_len: int):
                           residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
                           max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
                           max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
-                          residual_fraction=args.residual_fraction if policy in WITH_RESIDUAL else None,
-                          schedule_policy=args.schedule_policy, host_kv_bytes=args.host_kv_bytes,
-                          seed=args.seed)
+                          **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
+                          host_kv_bytes=args.host_kv_bytes, max_loras=args.max_loras, seed=args.seed)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
                         **engine.describe())
 

@@ -178,6 +178,8 @@ def test_residual_pool_follows_the_adapters_loaded_at_start():
     lay = e.runner.layout
     assert lay.res_pages * lay.res_page_bytes == pytest.approx(lay.base_pages * lay.base_page_bytes,
                                                                rel=0.02)
+    # Four adapters, but each context is read by two of them (a workflow's agents): room for two
+    assert split(residual_copies=2) == pytest.approx(2, rel=0.02)
 
 
 @pytest.mark.parametrize("kw,call,err", [
@@ -195,7 +197,10 @@ def test_bad_sharing_arguments_are_refused(kw, call, err):
 
 @pytest.mark.parametrize("kw,err", [(dict(cache_policy="prefix", residual_fanout=True), "forkkv"),
                                     (dict(schedule_policy="random"), "schedule_policy"),
-                                    (dict(residual_fraction=1.5), "residual_fraction")])
+                                    (dict(residual_fraction=1.5), "residual_fraction"),
+                                    (dict(residual_copies=0), "residual_copies"),
+                                    (dict(residual_copies=2, residual_fraction=0.1), "give one"),
+                                    (dict(cache_policy="prefix", residual_copies=2), "forkkv")])
 def test_bad_engine_options_are_refused(kw, err):
     with pytest.raises(ValueError, match=err):
         forkjax.Engine.from_pretrained("tiny-llama", **dict(SMALL, **kw))

@@ -36,6 +36,7 @@ BAD = [
     (["--residual-fraction", "1"], "--residual-fraction 1.0: expected a fraction strictly between 0 and 1"),
     (["--residual-fraction", "0"], "--residual-fraction 0.0: expected a fraction"),
     (["--residual-fraction", "nan"], "--residual-fraction nan: expected a fraction"),
+    (["--residual-copies", "0"], "--residual-copies 0: expected an int >= 1"),
     (["--session-ttl", "inf"], "--session-ttl inf: expected finite seconds >= 0"),
     (["--body-timeout", "0"], "--body-timeout 0.0: expected finite seconds > 0"),
     (["--body-timeout", "nan"], "--body-timeout nan: expected finite seconds > 0"),

@@ -486,4 +486,4 @@ def test_distinct_agents_swap_through_fewer_slots(tmp_path):
     assert row["groups"] == 2 and row["max_loras"] == 4 and row["lora_swaps"] > 0
     assert row["recompute_ratio"] == 1.0 and row["requests"] == 4 * 3 * 2
     with pytest.raises(ValueError, match="--distinct-agents"):
-        bench_workflows().main(["--model", "tiny-llama", "--distinct-agents", "--replay", "--out", str(tmp_path)])
+        bench_workflows().main(["--model", "tiny-llama", "--distinct-agents", "--http", "--out", str(tmp_path)])

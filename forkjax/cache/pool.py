@@ -9,9 +9,10 @@ sink-only residual pool (Pr = 1) so the kernel signature never changes.
 
 Budget split: `residual_fraction` of `kv_cache_bytes` goes to the residual pool. The default
 gives the residual pool `residual_copies` token slots per base-pool token slot: the engine asks
-for one per adapter loaded at start under `forkkv` (every agent keeps its residual of every cached
-base token; with residual fan-out every agent's is written), one under `lrshared` (one shared
-residual per base token). For Llama-3-8B at r=16 (n/r = 64) one copy is 1.5% of the budget,
+under `forkkv` for one per adapter that fits in a device slot (every agent keeps its residual of
+every cached base token; with residual fan-out every agent's is written) unless told how many
+adapters read one context at once (`residual_copies`), one under `lrshared` (one shared residual
+per base token). For Llama-3-8B at r=16 (n/r = 64) one copy is 1.5% of the budget,
 three 4.5%.
 """
 

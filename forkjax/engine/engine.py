@@ -33,7 +33,8 @@ class Engine(EngineCore):
                         max_lora_rank=None, *, max_loras: int = 8, max_cpu_loras: int | None = None,
                         pinned_adapters=(), seed: int = 0,
                         lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool = False,
-                        residual_fraction: float | None = None, schedule_policy: str = "lpm",
+                        residual_fraction: float | None = None, residual_copies: int | None = None,
+                        schedule_policy: str = "lpm",
                         deterministic: bool = False, host_kv_bytes: int | None = None,
                         tensor_parallel_size: int = 1, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
@@ -49,7 +50,9 @@ class Engine(EngineCore):
         request also writes the residuals of the other adapters in device slots (every other
         loaded one while they fit) from its own hidden states, unless it names its group
         (`fanout_adapters`). `residual_fraction`: share of `kv_cache_bytes` for the residual
-        pool (default: one residual copy per base token per adapter that fits in a slot).
+        pool, or `residual_copies` (`forkkv`): residual copies of each base token it holds room
+        for, the adapters that read one context at once (default: every adapter that fits in a
+        slot; with workflows that each bring their own agents, a workflow's agents).
         `schedule_policy`: "lpm" (cache-aware, admission.py) or "fifo". `deterministic`: a
         request's logits are bitwise the same whatever batch it runs in, however its prompt was
         chunked and whether its prefix came from the cache (fixed shapes, buckets.py), unless it
@@ -70,7 +73,8 @@ class Engine(EngineCore):
                            lora_target_modules=None if lora_target_modules is None
                            else tuple(lora_target_modules), lora_path=lora_path,
                            residual_fanout=residual_fanout,
-                           residual_fraction=residual_fraction, schedule_policy=schedule_policy,
+                           residual_fraction=residual_fraction, residual_copies=residual_copies,
+                           schedule_policy=schedule_policy,
                            deterministic=deterministic, host_kv_bytes=host_kv_bytes,
                            tensor_parallel_size=tensor_parallel_size)
         model_cfg, net, tokenizer, loaded = load_model_and_adapters(model, adapters, cfg, seed)
@@ -79,8 +83,8 @@ class Engine(EngineCore):
         unknown = sorted(set(pinned_adapters) - {a.name for a in loaded})
         if unknown:
             raise ValueError(f"pinned_adapters: {unknown} are not among the adapters loaded at start")
-        # One residual copy per adapter that can be active at once (in a device slot)
-        copies = max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1
+        # One residual copy per adapter that can be active at once (in a device slot), unless told
+        copies = residual_copies or (max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1)
         engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter, adapter.name in pinned_adapters)

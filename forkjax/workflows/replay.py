@@ -8,7 +8,9 @@ as `EngineCore` does without overlap: schedule a batch, mark it launched, advanc
 the batch's modelled time, take in its outputs (random tokens, all finite) through the
 scheduler's output processing (output_processor.py). The pools are sized as
 `Engine.from_pretrained` sizes them (`PoolLayout.from_budget` from the model's config, one
-residual copy per agent under `forkkv`).
+residual copy per adapter slot under `forkkv`). Adapters beyond `max_loras - 1` device slots wait
+on the host as the engine's do (lora/slots.py): the scheduler swaps them in, each swap costing its
+step SWAP_S, the visible wall of one on the H200.
 
 Step costs (`StepCost.h200`) come from BENCHMARKS.md, "Engine decode and prefill", H200,
 llama3-8b-random, rank-16 `forkkv`, commit 8c83309 (first run of 20 steps):
@@ -69,6 +71,8 @@ MEASURED_MODEL = "llama3-8b-random"
 # BENCHMARKS.md, Host tier: (bytes, store seconds, load seconds) of copies of 1-256 2 MiB pages.
 HOST_COPY_ROWS = ((1 << 21, 0.616e-3, 1.121e-3), (1 << 23, 0.597e-3, 0.923e-3),
                   (1 << 26, 1.954e-3, 2.077e-3), (1 << 29, 11.09e-3, 12.76e-3))
+# BENCHMARKS.md, Many adapters: the wall a swap adds to its step (rank-16 q/k/v/o, Llama-3-8B).
+SWAP_S = 2.16e-3
 HOST_S_PER_REQUEST = 7.2e-3  # host time a request costs beyond overlap (module docstring)
 IDLE_S = 1e-3  # a step with nothing to run (requests wait for admission): the loop polls again
 MAX_IDLE_S = 3600.0  # that long with work and nothing to run: the scheduler is stuck
@@ -151,30 +155,33 @@ class VirtualClock:
 class ReplayEngine:
     """The scheduler and cache of an `Engine` over `agents` at `model`'s geometry, without
     weights (keywords as `Engine.from_pretrained`'s, `host_kv_bytes` 0 unless given; `rank`:
-    the LoRA rank of the slots)."""
+    the LoRA rank of the slots; `max_loras`: device slots, default one per agent and the base)."""
 
     def __init__(self, model: str | ModelConfig, agents, *, cache_policy: str = "forkkv",
                  residual_fanout: bool = False, kv_cache_bytes: int = int(16e9),
                  max_batch_size: int = 64, max_prefill_tokens: int = 2048,
                  max_model_len: int | None = None, page_size: int = 16, rank: int = 16,
                  dtype: str = "bfloat16", residual_fraction: float | None = None,
+                 residual_copies: int | None = None,
                  schedule_policy: str = "lpm", max_wait_s: float = 60.0,
                  session_ttl_s: float = SESSION_TTL_S, host_kv_bytes: int = 0,
-                 cost: StepCost | None = None, seed: int = 0):
+                 max_loras: int | None = None, cost: StepCost | None = None, seed: int = 0):
         cfg = (model if isinstance(model, ModelConfig)
                else ModelConfig.from_hf(BUILTIN_CONFIGS.get(model, model)))
         self.model_cfg, self.agents = cfg, tuple(agents)
-        # Every agent in a device slot of its own (slot 0: the base model); no weights to write
-        self.slots = AdapterSlots(len(self.agents) + 1)
+        # The first agents in device slots of their own (slot 0: the base model), the rest on
+        # the host; no weights to write
+        self.slots = AdapterSlots(max_loras or len(self.agents) + 1)
         for name in self.agents:
             self.slots.add(LoraAdapter(name, rank, 1.0, {}))
-        self.slots.acquire(self.agents)
+        in_slots = min(len(self.agents), self.slots.num_slots - 1)
+        self.slots.acquire(self.agents[:in_slots])
         self.policy, self.residual_fanout = cache_policy, residual_fanout
         layout = PoolLayout.from_budget(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             lora_rank=rank, page_size=page_size, kv_cache_bytes=int(kv_cache_bytes),
             policy=cache_policy, dtype=dtype, residual_fraction=residual_fraction,
-            residual_copies=len(self.agents) if cache_policy == "forkkv" else 1)
+            residual_copies=residual_copies or (max(1, in_slots) if cache_policy == "forkkv" else 1))
         self.cache = DualRadixCache.from_layout(layout, host_kv_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.clock = VirtualClock()
@@ -198,8 +205,9 @@ class ReplayEngine:
         """Queue a request (as `Engine.add_request`; KeyError for an unknown adapter)."""
         check_session(session_id, session_end, session_tokens, session_next_s)
         self.slots.check(adapter)
-        if fanout_adapters is None:
-            fanout_adapters = self.agents if self.residual_fanout else ()
+        if fanout_adapters is None:  # as the engine: the other adapters in device slots now
+            fanout_adapters = [a for a in self.slots.slot_by_name if a != adapter][
+                :self.slots.num_slots - 2] if self.residual_fanout else ()
         fanout = {a: a for a in fanout_adapters if a != adapter}  # the agents' keys: their names
         for a in fanout:
             self.slots.check(a)
@@ -228,14 +236,16 @@ class ReplayEngine:
         self.metrics.launched(batch, self.clock.t)
         self.metrics.time("steps", 1)
         self.scheduler.on_launched(batch)
-        dt = self.cost.step_s(batch) + self.cost.copy_s(
+        writes = self.scheduler.take_slot_writes()
+        self.slots.swapped(writes, SWAP_S * len(writes))
+        dt = self.cost.step_s(batch) + SWAP_S * len(writes) + self.cost.copy_s(
             [c for host in self.cache.host_pools if host is not None for c in host.drop_queue()])
         self.metrics.time("device_s", dt)
         self.clock.t += dt
         self.metrics.fetched(batch, self.clock.t)
         n = len(batch.seqs)
         out = Fetched(tokens=self.rng.integers(0, MAX_RANDOM_ID, n).astype(np.int32),
-                      finite=np.ones(n, bool), fan_finite=np.ones((n, len(self.agents) + 1), bool),
+                      finite=np.ones(n, bool), fan_finite=np.ones((n, self.slots.num_slots), bool),
                       logits=None, hidden=None)
         self.scheduler.process_outputs(batch, out)
         return list(dict.fromkeys(batch.seqs))
