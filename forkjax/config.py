@@ -186,7 +186,7 @@ class EngineConfig:
         if self.residual_copies is not None and self.residual_fraction is not None:
             raise ValueError("residual_copies and residual_fraction both size the residual pool: give one")
         if self.residual_copies is not None and self.cache_policy != "forkkv":
-            raise ValueError(f"residual_copies={self.residual_copies}: residuals per base token are "
-                             f"cache_policy='forkkv''s, not {self.cache_policy!r}'s")
+            raise ValueError(f"residual_copies={self.residual_copies}: only cache_policy='forkkv' keeps "
+                             f"a residual per adapter, not {self.cache_policy!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected one of {SCHEDULE_POLICIES}")

@@ -84,7 +84,8 @@ class Engine(EngineCore):
         if unknown:
             raise ValueError(f"pinned_adapters: {unknown} are not among the adapters loaded at start")
         # One residual copy per adapter that can be active at once (in a device slot), unless told
-        copies = residual_copies or (max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1)
+        copies = residual_copies or (
+            max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1)
         engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter, adapter.name in pinned_adapters)
