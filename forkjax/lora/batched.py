@@ -10,8 +10,7 @@ alone); expand multiplies that [T, N·R] row, exact zeros outside the slot, by B
 
 Why not `jax.lax.ragged_dot` (the grouped GEMM): XLA's GPU lowering of it costs about N× the
 single-group time, more than the base projection at N = 8, while this formulation stays near the
-one-adapter time, N·R = 128 columns being still a thin GEMM (BENCHMARKS.md, "Grouped multi-LoRA
-matmul").
+one-adapter time, N·R = 128 columns being still a thin GEMM (BENCHMARKS.md, "Many adapters").
 
 Cost for T tokens, N adapter slots, rank R, a projection d_in -> d_out:
   FLOPs  2·T·N·R·(d_in + d_out): N× the grouped minimum, a few % of the base projection for

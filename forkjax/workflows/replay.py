@@ -31,9 +31,9 @@ Llama-3-8B's (weight reads at decode, FLOPs at prefill).
 
 Host tier copies (`host_kv_bytes`): a step first moves what the cache queued (host_pool.py:
 stores inside the gather program, loads of whole blocks, both in the step's stream), so their
-time adds to the step's: per direction fixed + bytes / rate, the line through the two rows of
-BENCHMARKS.md, "Host tier" (H200, llama3.1-8b-random, 2 MiB pages, commit e2a526b:
-64 MiB stored in 2.17 ms and loaded in 2.24 ms, 1 GiB in 21.2 and 25.2 ms).
+time adds to the step's: per direction fixed + bytes / rate, the line fitted (to relative error)
+to the copies of 1-256 pages in BENCHMARKS.md, "Host tier" (H200, llama3.1-8b-random, 2 MiB
+pages: HOST_COPY_ROWS).
 
 Host time: each request adds HOST_S_PER_REQUEST to the clock, the time per request that
 overlap does not hide on the H200. It is (wall − the sum of the steps' device seconds) /
