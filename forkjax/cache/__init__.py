@@ -39,7 +39,8 @@ from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.dual_cache import DualRadixCache, MatchResult
 from forkjax.cache.hold import PrefixHold
 from forkjax.cache.policy import POLICIES, SHARED, CachePolicy, get_policy
-from forkjax.cache.pool import KVPools, PoolLayout, copy_index_arrays, copy_pages, write_kv
+from forkjax.cache.pool import (KVPools, PoolLayout, copy_index_arrays, copy_pages, residual_copies_for,
+                                write_kv)
 from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.seq_cache import OutOfPages, SeqCache
 from forkjax.cache.tree_node import TreeNode
@@ -47,5 +48,6 @@ from forkjax.cache.tree_node import TreeNode
 __all__ = [
     "POLICIES", "SHARED", "CachePolicy", "DualRadixCache", "KVPools", "MatchResult", "OutOfPages",
     "PageAllocator", "PoolLayout", "PrefixHold", "RadixTree", "SeqCache", "TreeNode", "adapter_fingerprint",
-    "check_shared_lora_a", "copy_index_arrays", "copy_pages", "get_policy", "write_kv",
+    "check_shared_lora_a", "copy_index_arrays", "copy_pages", "get_policy", "residual_copies_for",
+    "write_kv",
 ]

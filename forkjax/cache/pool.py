@@ -105,6 +105,15 @@ class PoolLayout(NamedTuple):
                          for shape, spec in zip((base, base, res, res), KV_SPECS)))
 
 
+def residual_copies_for(policy: str, adapters: int, max_loras: int, given: int | None = None) -> int:
+    """`PoolLayout.from_budget`'s `residual_copies`: `given`, else under `forkkv` one per adapter
+    that can be in a device slot at once (of `adapters` loaded, `max_loras` slots with the base
+    model's), else one."""
+    if given:
+        return given
+    return max(1, min(adapters, max_loras - 1)) if get_policy(policy).name == "forkkv" else 1
+
+
 def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None) -> KVPools:
     """Scatter one layer's new tokens into the pools (pure; call it inside the jitted step).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.cache import check_shared_lora_a
+from forkjax.cache import check_shared_lora_a, residual_copies_for
 from forkjax.config import EngineConfig
 from forkjax.engine.engine_core import EngineCore
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
@@ -83,9 +83,7 @@ class Engine(EngineCore):
         unknown = sorted(set(pinned_adapters) - {a.name for a in loaded})
         if unknown:
             raise ValueError(f"pinned_adapters: {unknown} are not among the adapters loaded at start")
-        # One residual copy per adapter that can be active at once (in a device slot), unless told
-        copies = residual_copies or (
-            max(1, min(len(loaded), max_loras - 1)) if cache_policy == "forkkv" else 1)
+        copies = residual_copies_for(cache_policy, len(loaded), max_loras, residual_copies)
         engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter, adapter.name in pinned_adapters)

@@ -50,6 +50,12 @@ def check_session(session_id, session_end, session_tokens, session_next_s=None) 
         raise ValueError("session_end, session_tokens and session_next_s need a session_id")
 
 
+def slot_fanout(slots: AdapterSlots, own: str | None) -> list[str]:
+    """Whom a `residual_fanout` request without `fanout_adapters` fans out to: the other adapters
+    in device slots now, as many as fit beside its own."""
+    return [n for n in slots.slot_by_name if n != own][: slots.num_slots - 2]
+
+
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, own_key, names,
                    salt: str | None = None) -> dict:
     """`fanout_adapters` -> {adapter name: cache key} of the residuals a request on adapter
@@ -57,7 +63,7 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
     (none, or the other adapters in device slots now: every loaded one while they fit in
     `max_loras`). ValueError if they and `own` cannot be in device slots at once."""
     if names is None:
-        names = [n for n in slots.slot_by_name if n != own][: slots.num_slots - 2] if config.residual_fanout else []
+        names = slot_fanout(slots, own) if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
     names = list(names)

@@ -48,11 +48,11 @@ import dataclasses
 
 import numpy as np
 
-from forkjax.cache import DualRadixCache, PoolLayout
+from forkjax.cache import DualRadixCache, PoolLayout, residual_copies_for
 from forkjax.config import ModelConfig
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.model_runner import Fetched
-from forkjax.engine.requests import check_session
+from forkjax.engine.requests import check_session, slot_fanout
 from forkjax.engine.scheduler import Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence
 from forkjax.engine.sessions import SESSION_TTL_S
@@ -174,14 +174,14 @@ class ReplayEngine:
         self.slots = AdapterSlots(max_loras or len(self.agents) + 1)
         for name in self.agents:
             self.slots.add(LoraAdapter(name, rank, 1.0, {}))
-        in_slots = min(len(self.agents), self.slots.num_slots - 1)
-        self.slots.acquire(self.agents[:in_slots])
+        self.slots.acquire(self.agents[:self.slots.num_slots - 1])
         self.policy, self.residual_fanout = cache_policy, residual_fanout
         layout = PoolLayout.from_budget(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             lora_rank=rank, page_size=page_size, kv_cache_bytes=int(kv_cache_bytes),
             policy=cache_policy, dtype=dtype, residual_fraction=residual_fraction,
-            residual_copies=residual_copies or (max(1, in_slots) if cache_policy == "forkkv" else 1))
+            residual_copies=residual_copies_for(cache_policy, len(self.agents), self.slots.num_slots,
+                                                residual_copies))
         self.cache = DualRadixCache.from_layout(layout, host_kv_bytes)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.clock = VirtualClock()
@@ -206,8 +206,7 @@ class ReplayEngine:
         check_session(session_id, session_end, session_tokens, session_next_s)
         self.slots.check(adapter)
         if fanout_adapters is None:  # as the engine: the other adapters in device slots now
-            fanout_adapters = [a for a in self.slots.slot_by_name if a != adapter][
-                :self.slots.num_slots - 2] if self.residual_fanout else ()
+            fanout_adapters = slot_fanout(self.slots, adapter) if self.residual_fanout else ()
         fanout = {a: a for a in fanout_adapters if a != adapter}  # the agents' keys: their names
         for a in fanout:
             self.slots.check(a)
