@@ -7,7 +7,7 @@ XLA copy the predicate to the host and wait for the device in the middle of ever
 next step could never be dispatched ahead (overlap scheduling).
 
 Requests with processed logits or logprobs run a third program instead (`process_and_sample`,
-model_runner.py), only in steps that hold such a request, so every other step runs as before.
+step_program.py), only in steps that hold such a request, so every other step runs as before.
 Its masks come after the step's finiteness check: a -inf it puts in a row is no fault of the
 model's.
 

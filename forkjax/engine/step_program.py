@@ -1,0 +1,148 @@
+"""The programs a ModelRunner dispatches: the step (one forward of a bucketed batch, its pools
+donated), copy-on-write page copies and sampling. Static arguments that are costly to hash go
+in as `HashOnce`; the parameters as a flat list of leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from forkjax.cache import copy_pages
+from forkjax.cache.pool import KV_SPECS
+from forkjax.engine.input_batch import StepInputs
+from forkjax.engine.paged_attention import paged_attention
+from forkjax.engine.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
+from forkjax.models.transformer import ForwardBatch
+from forkjax.tensor_parallel import REPLICATED, shard
+
+
+class HashOnce:
+    """A static jit argument hashed once. jit hashes its static arguments on every call, and
+    hashing a large model's nnx GraphDef takes milliseconds of host time a step (for the same
+    reason the parameters go in as a flat list of leaves, not as an nnx State to flatten)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, HashOnce) and self._hash == other._hash
+                                 and self.value == other.value)
+
+
+def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
+             prev_tokens, *, tp: HashOnce | None, **static):
+    """The step program: `_step_body`, or under tensor parallelism (`tp`: the size and the
+    parameters' PartitionSpecs) that body run per shard (tensor_parallel.py), every output but
+    the pools replicated."""
+    body = functools.partial(_step_body, graphdef, state_def, **static)
+    if tp is None:
+        return body(state_leaves, pools, inputs, prev_tokens)
+    size, specs = tp.value
+    return shard(body, size, in_specs=(list(specs), KV_SPECS, REPLICATED, REPLICATED),
+                 out_specs=(REPLICATED, KV_SPECS))(state_leaves, pools, inputs, prev_tokens)
+
+
+def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
+               prev_tokens, *, kind: str, all_logits: bool, hidden: bool, residual: bool,
+               use_pallas: bool):
+    """One forward of a bucketed batch; the pools are donated and come back updated.
+    prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
+    (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
+    [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool,
+    fan_finite [B, N] bool, hidden states [L + 1, T, d] float32 or None), pools).
+
+    hidden: as HF's output_hidden_states, the embeddings, the output of every layer but the
+    last, and the final normed hidden state.
+
+    finite[i]: request i's rows of the last hidden state and its sampled logits are all finite.
+    A NaN or inf anywhere upstream (a K, V or LoRA term of any layer) reaches the residual stream
+    of its token or of a later one, so the host keeps a chunk out of the trees unless it holds.
+    fan_finite[i, j]: every fan-out residual request i wrote for adapter slot j is finite (those
+    never reach its own stream: slot j's A applied to its hidden states may overflow alone)."""
+    model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, state_leaves))
+    rows = inputs.prev_rows
+    tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
+    batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
+    fan_checks = []  # [T, N] per layer, appended while the layers are traced
+    attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
+                             inv_freq=model.inv_freq[...], fan_checks=fan_checks)
+    h, pools, layers = model(tokens, batch, attn, pools, output_hidden_states=hidden)
+    states = jnp.stack(layers[:-1] + [h]).astype(jnp.float32) if hidden else None
+    logits = model.logits(h) if all_logits else None
+    # The sampled rows get their own [B, vocab] GEMM even when every row's logits are computed:
+    # a request's sampled logits then never depend on a score request sharing its step.
+    rows = model.logits(h[inputs.sample_rows])
+    b = inputs.sample_rows.shape[0]
+    valid = jnp.arange(h.shape[0] // b)[None, :] < inputs.meta.chunk_lengths[:, None]  # [B, c]
+    finite = jnp.all(jnp.isfinite(h).all(-1).reshape(b, -1) | ~valid, axis=1)
+    finite &= jnp.isfinite(rows).all(-1)
+    n = inputs.group_sizes.shape[0]
+    fan_finite = jnp.ones((b, n), bool)
+    if fan_checks:
+        fan_ok = jnp.stack(fan_checks).all(0).reshape(b, -1, n)  # [B, c, N]
+        fan_finite = jnp.all(fan_ok | ~valid[..., None], axis=1)
+    return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite,
+            states), pools
+
+
+_JIT = dict(static_argnums=(0, 1), donate_argnums=3,
+            static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
+# XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
+# one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
+_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+_step = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
+# Steps of 64 tokens or more run their GEMMs on cuBLAS, where XLA's autotuned Triton GEMMs are
+# slower; below 64 tokens cuBLAS is the slower one (BENCHMARKS.md, Engine decode and
+# prefill).
+CUBLAS_FROM_TOKENS = 64
+_step_cublas = jax.jit(_forward, **_JIT,
+                       compiler_options={**_OPTIONS, "xla_gpu_enable_triton_gemm": False})
+
+
+def step_program(num_tokens: int):
+    """The jitted step for a bucket of `num_tokens` rows (its GEMMs on cuBLAS from
+    CUBLAS_FROM_TOKENS)."""
+    return _step_cublas if num_tokens >= CUBLAS_FROM_TOKENS else _step
+
+
+def _pad_to(tokens, size: int):
+    # A pad, not a scatter into zeros: at full size that scatter's index array is an empty
+    # constant, on which the partitioner (Shardy) crashes under tensor parallelism.
+    return jnp.pad(tokens.astype(jnp.int32), (0, size - tokens.shape[0]))
+
+
+# Copy-on-write is its own small program, run before a step only when that step has copies:
+# inside the step program every step would copy a batch of padding pages (sink to sink) in every
+# layer. Under tensor parallelism each shard copies its heads' pages.
+@functools.cache
+def copy_pages_program(tp: int):
+    fn = copy_pages if tp == 1 else shard(copy_pages, tp, in_specs=(KV_SPECS, *[REPLICATED] * 4),
+                                          out_specs=KV_SPECS)
+    return jax.jit(fn, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def sample_padded(rows, sampling: SamplingArrays, size: int):
+    """rows [B, vocab] float32 -> [size] int32 sampled tokens (row i: request i)."""
+    return _pad_to(sample(rows, sampling), size)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | None, prev_tokens,
+                        size: int, k: int):
+    """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples) ->
+    ([size] int32 tokens sampled from the processed logits (`process` None: as they are),
+    (logprobs [B], top ids [B, k], top logprobs [B, k]) of the model's logits, or None: k = 0)."""
+    z = rows if process is None else process_logits(rows, process, prev_tokens)
+    tokens = sample(z, sampling)
+    return _pad_to(tokens, size), top_logprobs(rows, tokens, k) if k else None
+
