@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 
 import jax
@@ -36,6 +35,7 @@ from forkjax.engine.memory import step_workspace_bytes
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 from forkjax.pallas_kernels.paged_attention import triton as triton_attention
+from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 
 def device_bytes(x) -> int:
@@ -198,13 +198,13 @@ def main():
                                             overlap=not args.no_overlap,
                                             deterministic=args.deterministic)
     load_s = time.perf_counter() - t
-    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
+    result = dict(**run_info(__file__), model=args.model,
                   policy=args.policy, lora_path=args.lora_path,
                   tensor_parallel_size=args.tensor_parallel_size, overlap=engine.overlap, deterministic=args.deterministic,
                   target_programs=triton_attention._TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,
-                  command=" ".join(sys.argv), decode=[])
+                  decode=[])
 
     def save(what):  # after every section: a run cut short still leaves its numbers
         print(what, json.dumps(result[what] if what in result else result, indent=1), flush=True)

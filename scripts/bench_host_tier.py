@@ -25,6 +25,7 @@ from forkjax.cache import PoolLayout
 from forkjax.cache.host_pool import HostBudget, HostPagePool
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 
 def round_trip(pool: HostPagePool, k, v, pages: np.ndarray):
@@ -70,7 +71,7 @@ def main():
         print(f"{n} pages ({nbytes / 1e6:.0f} MB): store {rows[-1]['store_GBps']:.1f} GB/s, "
               f"load {rows[-1]['load_GBps']:.1f} GB/s", flush=True)
     with open(args.out, "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, model=args.model,
+        json.dump(dict(**run_info(__file__), model=args.model,
                        page_bytes=layout.base_page_bytes, rows=rows), f, indent=1)
 
 

@@ -18,16 +18,15 @@ over several disjoint page-table sets (>= 256 MB of cache in all) and reports th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import sys
 import traceback
 
 import jax
 
 import timing  # scripts/ is on sys.path when this script runs
+from provenance import run_info  # scripts/ is on sys.path when this script runs
 from forkjax.pallas_kernels import residual_attention_extend, unified_attention_extend
 from forkjax.pallas_kernels.tuning import sm_count
 from kernel_cases import (DT, decode_bytes, decode_fns, extend_flops, make_decode, make_extend,
@@ -260,9 +259,7 @@ def main():
     global SMOKE
     SMOKE = args.smoke
     os.makedirs(args.out, exist_ok=True)
-    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-               "command": " ".join(sys.argv)}
+    results = run_info(__file__)
 
     def save():
         with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from safetensors.flax import save_file
 
 from forkjax.models.loader import checkpoint_shapes, load_checkpoint
+from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 CONFIG = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
@@ -47,7 +48,7 @@ def main():
             _, model = load_checkpoint(d, num_slots=2, rank=16, dtype=jnp.bfloat16, progress=False)
             jax.block_until_ready(nnx_state(model))
             times.append(time.perf_counter() - t)
-    row = dict(device=jax.devices()[0].device_kind, checkpoint_bytes=nbytes,
+    row = dict(**run_info(__file__), checkpoint_bytes=nbytes,
                first_load_s=times[0], second_load_s=times[1])
     print(json.dumps(row))
     with open(args.out, "w") as f:

@@ -20,6 +20,7 @@ import numpy as np
 
 from forkjax.lora.batched import lora_expand, lora_shrink, slot_rows, slots_from_group_sizes
 from forkjax.pallas_kernels.sgmv.triton import SgmvConfig, sgmv_expand, sgmv_shrink
+from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 
 def bench(f, *args, reps=50):
@@ -71,11 +72,12 @@ def main():
     p.add_argument("--slots", default="1,8,32,64", help="N values, comma-separated (%(default)s)")
     args = p.parse_args()
     key = jax.random.key(0)
+    info = run_info(__file__)
     with open(args.out, "w") as out:  # a line a row: a timed-out sweep keeps what it measured
         for t in map(int, args.tokens.split(",")):
             for n in map(int, args.slots.split(",")):
                 for d_in, d_out in ((4096, 4096), (4096, 1024)):
-                    row = measure(key, t, n, 16, d_in, d_out)
+                    row = {**measure(key, t, n, 16, d_in, d_out), **info}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     print(json.dumps(row), flush=True)
@@ -88,7 +90,7 @@ def measure(key, t, n, r, d_in, d_out):
     b = jax.random.normal(key, (n, r, d_out), jnp.bfloat16)
     gs = jnp.full((n,), t // n, jnp.int32)
     a_rows = a.transpose(0, 2, 1)  # [N, R, d_in]
-    row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out, device=jax.devices()[0].device_kind,
+    row = dict(T=t, N=n, R=r, d_in=d_in, d_out=d_out,
                base_us=bench(base, x, w), grouped_us=bench(grouped, x, a, b, gs),
                onehot_us=bench(onehot, x, a_rows, b, gs),
                fused_us=bench(fused, x, jnp.concatenate([w, a_rows.reshape(n * r, d_in)]), b, gs))

@@ -70,7 +70,6 @@ import json
 import math
 import multiprocessing
 import os
-import shlex
 import sys
 import time
 from collections import deque
@@ -87,6 +86,7 @@ from forkjax.workflows.agents import ATTENTION, agent_adapters
 from serving_metrics import Timing, latency_metrics
 from serving_roofline import StepCosts, measure_rates, roofline
 from serving_workload import SampleRequest, adapter_names, workload
+from provenance import run_info
 
 LORA_RANK = 16
 
@@ -313,8 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     costs = StepCosts.of(engine, LORA_RANK, ATTENTION, args.adapters)
     roof = roofline(steps, costs, rates)
     result = dict(
-        command=shlex.join(["scripts/bench_serving.py", *argv]), **vars(args), mode=mode,
-        device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax_version=jax.__version__,
+        **run_info(__file__, argv), **vars(args), mode=mode,
         config=engine_config(engine, args), **build, **latency_metrics(timings, wall),
         decode_batch_size_mean=stats["decode_batch_size_mean"], preemptions=stats["preemptions"],
         **roof, wall_s=wall, efficiency=roof["roofline_s"] / wall,

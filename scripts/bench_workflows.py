@@ -89,26 +89,23 @@ import argparse
 import contextlib
 import gc
 import os
-import shlex
-import subprocess
 import sys
 import time
 
 import jax
 
-import forkjax
 from forkjax.config import ModelConfig
 from forkjax.engine import memory
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows, workflow_source)
-from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.runners import InProcess, OverHttp
 from forkjax.workflows.report import summary_line, write_json, write_summary
+from provenance import run_info  # scripts/ is on sys.path when this script runs
+from workflow_engines import build_engine, build_replay
 
 POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
-WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
 GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 # The GPU's and the replay's max batch: the H200 tables and the replay's step costs were measured
 # at 64; the running batch of these workflows stays below it.
@@ -258,72 +255,6 @@ def total_of(total: str | None, n: int) -> int:
     return m
 
 
-class CompileTimes:
-    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
-
-    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-              "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
-
-    def __init__(self):
-        self.totals = dict.fromkeys(self.EVENTS.values(), 0.0)
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, name, secs, **_):
-        if name in self.EVENTS:
-            self.totals[self.EVENTS[name]] += secs
-
-    def since(self, before: dict) -> dict:
-        return {k: round(v - before[k], 3) for k, v in self.totals.items()}
-
-
-COMPILE_TIMES = CompileTimes()
-
-
-def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_model_len: int):
-    """-> (engine for `policy` with one adapter per agent, {build_s, compile_s, breakdown})."""
-    adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
-    before = dict(COMPILE_TIMES.totals)
-    t = time.perf_counter()
-    engine = forkjax.Engine.from_pretrained(
-        args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
-        dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
-        max_loras=args.max_loras or len(names) + 1, lora_path=args.lora_path,
-        tensor_parallel_size=args.tensor_parallel_size, residual_fanout=policy == "forkkv+fanout",
-        **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
-        max_model_len=max_model_len,
-        max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,
-        warmup=not args.no_warmup, progress=True,
-        compile_workers=args.compile_workers)
-    return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
-                        compile_breakdown=COMPILE_TIMES.since(before))
-
-
-def residual_sizing(args, policy: str) -> dict:
-    """The residual pool's sizing keyword: --residual-fraction, or with --distinct-agents room for
-    a workflow's agents' residuals of each base token (the engine's default, every adapter that
-    fits a slot, would spend the budget on copies no context has)."""
-    if policy not in WITH_RESIDUAL:
-        return {}
-    if args.residual_fraction is None and args.distinct_agents and policy != "lrshared":
-        return dict(residual_copies=args.agents_per_workflow)
-    return dict(residual_fraction=args.residual_fraction)
-
-
-def build_replay(args, policy: str, names: list[str], max_model_len: int):
-    """-> (ReplayEngine for `policy` over the agents `names`, its build record)."""
-    from forkjax.workflows.replay import ReplayEngine
-    t = time.perf_counter()
-    engine = ReplayEngine(args.model, names, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
-                          residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
-                          max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
-                          max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
-                          **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
-                          host_kv_bytes=args.host_kv_bytes, max_loras=args.max_loras, seed=args.seed)
-    return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
-                        **engine.describe())
-
-
 def workflow_shape(args) -> dict:
     """The shape keywords of `make_workflows` and `workflow_source`."""
     return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers,
@@ -378,18 +309,6 @@ def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
                                          "preemptions", *HOST_KEYS, *LORA_KEYS)}, **steps}
 
 
-def git_commit() -> str | None:
-    """HEAD, or $FORKJAX_COMMIT (a copy of the tree whose .git is not this commit's)."""
-    if os.environ.get("FORKJAX_COMMIT"):
-        return os.environ["FORKJAX_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -406,10 +325,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"the longest request ({longest} tokens) exceeds {args.model}'s context of "
                          f"{cfg.max_position_embeddings}")
     meta = {**{k: v for k, v in vars(args).items() if k != "totals"},
-            "max_model_len": max_model_len,
-            "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "jax_version": jax.__version__, "git_commit": git_commit(),
-            "command": shlex.join(["scripts/bench_workflows.py", *argv])}
+            "max_model_len": max_model_len, **run_info(__file__, argv)}
     single = len(policies) == 1 and len(counts) == 1
     shown = ("context", "gen", "obs") if args.pattern == "react" else ("context", "gen")
     lengths = ", ".join(f"{k} {fixed[k]}" for k in shown) if fixed else f"{args.profile} lengths"

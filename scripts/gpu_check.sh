@@ -44,7 +44,7 @@
 #           WF_DISTINCT=1: every workflow slot's own agents, into <stage>_distinct/; $WF_MAX_LORAS
 #           device adapter slots, into <stage>..._slots<n>/)
 #
-# Workflow results record $FORKJAX_COMMIT (pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
+# Every results file records $FORKJAX_COMMIT (scripts/provenance.py; pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
 #   bash scripts/gpu_check.sh sweep engine      # from the repository root, on the GPU machine
 set -u

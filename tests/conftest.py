@@ -8,6 +8,7 @@ import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "scripts"))  # as when a script runs
 
 # Many tests compile the same tiny programs, in both xdist workers: share them on disk. XLA's CPU
 # compiles, not the runs, dominate this suite's time on 2 cores; without LLVM's optimisations

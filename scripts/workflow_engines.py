@@ -1,0 +1,82 @@
+"""The engines scripts/bench_workflows.py runs a policy on: a real one, its warm-up's compile
+times recorded, or the model-free replay (forkjax/workflows/replay.py), both sized for the run's
+agents.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+import forkjax
+from forkjax.config import ModelConfig
+from forkjax.workflows.agents import agent_adapters
+
+WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
+
+
+class CompileTimes:
+    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.EVENTS.values(), 0.0)
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, secs, **_):
+        if name in self.EVENTS:
+            self.totals[self.EVENTS[name]] += secs
+
+    def since(self, before: dict) -> dict:
+        return {k: round(v - before[k], 3) for k, v in self.totals.items()}
+
+
+COMPILE_TIMES = CompileTimes()
+
+
+def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_model_len: int):
+    """-> (engine for `policy` with one adapter per agent, {build_s, compile_s, breakdown})."""
+    adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
+    before = dict(COMPILE_TIMES.totals)
+    t = time.perf_counter()
+    engine = forkjax.Engine.from_pretrained(
+        args.model, adapters=adapters, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
+        dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
+        max_loras=args.max_loras or len(names) + 1, lora_path=args.lora_path,
+        tensor_parallel_size=args.tensor_parallel_size, residual_fanout=policy == "forkkv+fanout",
+        **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
+        max_model_len=max_model_len,
+        max_prefill_tokens=args.max_prefill_tokens, host_kv_bytes=args.host_kv_bytes,
+        warmup=not args.no_warmup, progress=True,
+        compile_workers=args.compile_workers)
+    return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
+                        compile_breakdown=COMPILE_TIMES.since(before))
+
+
+def residual_sizing(args, policy: str) -> dict:
+    """The residual pool's sizing keyword: --residual-fraction, or with --distinct-agents room for
+    a workflow's agents' residuals of each base token (the engine's default, every adapter that
+    fits a slot, would spend the budget on copies no context has)."""
+    if policy not in WITH_RESIDUAL:
+        return {}
+    if args.residual_fraction is None and args.distinct_agents and policy != "lrshared":
+        return dict(residual_copies=args.agents_per_workflow)
+    return dict(residual_fraction=args.residual_fraction)
+
+
+def build_replay(args, policy: str, names: list[str], max_model_len: int):
+    """-> (ReplayEngine for `policy` over the agents `names`, its build record)."""
+    from forkjax.workflows.replay import ReplayEngine
+    t = time.perf_counter()
+    engine = ReplayEngine(args.model, names, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
+                          residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
+                          max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
+                          max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
+                          **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
+                          host_kv_bytes=args.host_kv_bytes, max_loras=args.max_loras, seed=args.seed)
+    return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
+                        **engine.describe())
