@@ -15,7 +15,8 @@ cut into one prompt per adapter) with requests spread over K distinct adapters i
 (K = 0: every request on the base model, the baseline), in one engine of max(K) + 1 slots (or
 --max-loras). `--swap`: the visible cost of writing an adapter into a slot: decode steps of B - 2
 long requests, each step joined by a 16-token request whose adapter is on the host (a swap every step)
-against the same with the new requests' adapter resident.
+against the same with the new requests' adapter resident; then those steps alone, where nothing
+hides a swap's cost.
 """
 
 from __future__ import annotations
@@ -112,8 +113,28 @@ def prefill_bench(engine, cfg: ModelConfig, n: int = 8192, adapters=("agent",)):
 def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, host_adapters, resident):
     """Decode steps that each admit a 16-token request on a host-only adapter (host_adapters
     rotate through two free slots: a swap a step) against the same steps with the new requests
-    on `resident` (no swap): median step walls, the wall a swap adds, the swaps' counters."""
+    on `resident` (no swap): median step walls, the wall a swap adds, the swaps' counters; then
+    the same steps with nothing else running (`alone`): a swap's whole cost, host dispatch, the
+    image's copy and the slot write, with no step in flight to hide it."""
     rng = np.random.default_rng(1)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+
+    def timed(names):  # -> the steps' wall times (the first 4, compiles, left out), swaps, host s
+        walls, before = [], engine.stats()
+        for name in names:
+            engine.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), name, one)
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+        after = engine.stats()
+        return (np.array(walls[4:]), after["lora_swaps"] - before["lora_swaps"],
+                after["lora_swap_wait_s"] - before["lora_swap_wait_s"])
+
+    def compare(n):  # -> swap walls, resident walls, the wall a swap adds (ms), swaps, host s
+        swap, swaps, host_s = timed([host_adapters[i % len(host_adapters)] for i in range(n + 4)])
+        resident_walls, _, _ = timed([resident] * (n + 4))
+        return swap, resident_walls, float(swap.sum() - resident_walls.sum()) / max(swaps, 1) * 1e3, swaps, host_s
+
     # B - 2 long requests: with the request admitted this step and the one that finished last
     # step (its result is taken in after this step launches), every step holds B rows, and no
     # new request waits for a batch row instead of its slot.
@@ -123,30 +144,15 @@ def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, h
     seqs = [engine.add_request(p, "agent", params) for p in prompts]
     while any(s.in_prefill or s.cache is None for s in seqs):
         engine.step()
-    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-
-    def timed(names):  # -> the steps' wall times, the first 4 (compiles) left out
-        walls = []
-        for name in names:
-            engine.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), name, one)
-            t = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t)
-        return np.array(walls[4:])
-
     timed([resident] * 4)
-    before = engine.stats()
-    swap = timed([host_adapters[i % len(host_adapters)] for i in range(steps + 4)])
-    after = engine.stats()
-    resident_walls = timed([resident] * (steps + 4))
+    swap, resident_walls, visible_ms, swaps, host_s = compare(steps)
     for s in seqs:
         engine.abort(s)
-    swaps = after["lora_swaps"] - before["lora_swaps"]
+    _, _, alone_ms, alone_swaps, _ = compare(steps)
     return dict(batch=batch, step_ms_swap=float(np.median(swap)) * 1e3,
-                step_ms_resident=float(np.median(resident_walls)) * 1e3,
-                visible_ms=float(swap.sum() - resident_walls.sum()) / max(swaps, 1) * 1e3, swaps=swaps,
+                step_ms_resident=float(np.median(resident_walls)) * 1e3, visible_ms=visible_ms, swaps=swaps,
                 image_MB=engine.writer.image_bytes(host_adapters[0]) / 1e6,
-                host_ms_per_swap=(after["lora_swap_wait_s"] - before["lora_swap_wait_s"]) / max(swaps, 1) * 1e3)
+                host_ms_per_swap=host_s / max(swaps, 1) * 1e3, alone_ms=alone_ms, alone_swaps=alone_swaps)
 
 
 def main():
