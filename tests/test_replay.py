@@ -38,6 +38,13 @@ def test_step_costs_reproduce_their_h200_rows():
     # Context is read at decode: a longer one costs more, a prefix pool reads no residual.
     assert cost.step_s(_Batch("decode", [8192])) > cost.step_s(_Batch("decode", [1024]))
     assert ReplayEngine(MODEL, ["a"], cache_policy="prefix").cost.kv_bytes_per_token < cost.kv_bytes_per_token
+    # Slots beyond the rows' eight add what 65 slots measured over none, per slot, to a decode
+    # step (Many adapters: 10.35 against 9.48 ms at B=64, 2k), and their FLOPs to an extend.
+    many = ReplayEngine(MODEL, [f"a{i}" for i in range(64)], max_loras=65).cost
+    decode = _Batch("decode", [DECODE_TOKENS] * 64)
+    assert many.step_s(decode) - cost.step_s(decode) == pytest.approx(57 / 64 * (10.35e-3 - 9.48e-3))
+    extend = _Batch("extend", chunks=[(0, 2048)])
+    assert many.step_s(extend) - cost.step_s(extend) > many.step_s(decode) - cost.step_s(decode)
 
 
 def test_host_copy_costs_fit_their_h200_rows():

@@ -27,7 +27,10 @@ llama3-8b-random, rank-16 `forkkv`, commit 8c83309 (first run of 20 steps):
 
 K/V bytes a token are the replayed layout's (base and residual pages over the page size); the
 fixed and per-token parts scale with the model's projection and LM-head parameters against
-Llama-3-8B's (weight reads at decode, FLOPs at prefill).
+Llama-3-8B's (weight reads at decode, FLOPs at prefill). Adapter slots beyond the eight those
+rows had cost each step SLOT_S a slot (scaled by a slot's parameters; BENCHMARKS.md, "Many
+adapters": the fused LoRA path reads every slot's A and B and multiplies every token with them),
+and each extend token its share of FLOPs, a slot's parameters over the model's.
 
 Host tier copies (`host_kv_bytes`): a step first moves what the cache queued (host_pool.py:
 stores inside the gather program, loads of whole blocks, both in the step's stream), so their
@@ -60,6 +63,7 @@ from forkjax.engine.stats import EngineStats
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.workflows.agents import ATTENTION
 from forkjax.workflows.base import MAX_RANDOM_ID
 
 # BENCHMARKS.md, Engine decode and prefill (H200, llama3-8b-random, forkkv rank 16, 8c83309).
@@ -73,6 +77,11 @@ HOST_COPY_ROWS = ((1 << 21, 0.616e-3, 1.121e-3), (1 << 23, 0.597e-3, 0.923e-3),
                   (1 << 26, 1.954e-3, 2.077e-3), (1 << 29, 11.09e-3, 12.76e-3))
 # BENCHMARKS.md, Many adapters: the wall a swap adds to its step (rank-16 q/k/v/o, Llama-3-8B).
 SWAP_S = 2.16e-3
+# The same section: decode B=64 at 2k in an engine of 65 rank-16 q/k/v/o adapter slots against
+# one without slots (10.35 against 9.48 ms): a slot's A rows and B, read and multiplied in every
+# step's GEMMs, add SLOT_S to a step. The rows above had MEASURED_SLOTS (bench_engine.py's default).
+SLOT_S = (10.35e-3 - 9.48e-3) / 64
+MEASURED_SLOTS = 8
 HOST_S_PER_REQUEST = 7.2e-3  # host time a request costs beyond overlap (module docstring)
 IDLE_S = 1e-3  # a step with nothing to run (requests wait for admission): the loop polls again
 MAX_IDLE_S = 3600.0  # that long with work and nothing to run: the scheduler is stuck
@@ -82,6 +91,12 @@ def _weights(cfg: ModelConfig) -> int:
     """Parameters a decode step reads: every projection of every layer and the LM head."""
     return cfg.num_layers * sum(i * o for i, o in cfg.projection_shapes().values()) \
         + cfg.vocab_size * cfg.hidden_size
+
+
+def _slot_params(cfg: ModelConfig, rank: int) -> int:
+    """Parameters of one adapter slot on q/k/v/o (the workflows' agents' targets), A and B."""
+    shapes = cfg.projection_shapes()
+    return cfg.num_layers * rank * sum(sum(shapes[m]) for m in ATTENTION)
 
 
 def _kv_bytes_per_token(layout: PoolLayout) -> float:
@@ -100,7 +115,8 @@ class StepCost:
     host_copy: tuple  # ((fixed s, s a byte) of a store, the same of a load)
 
     @classmethod
-    def h200(cls, cfg: ModelConfig, layout: PoolLayout) -> "StepCost":
+    def h200(cls, cfg: ModelConfig, layout: PoolLayout, slots: int = MEASURED_SLOTS,
+             rank: int = 16) -> "StepCost":
         ref = ModelConfig.from_hf(BUILTIN_CONFIGS[MEASURED_MODEL])
         ref_kv = _kv_bytes_per_token(PoolLayout.from_budget(
             num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim,
@@ -113,10 +129,14 @@ class StepCost:
         ends = list(range(chunk, tokens, chunk)) + [tokens]
         per_token = (seconds - len(ends) * fixed - read(sum(ends))) / tokens
         scale = _weights(cfg) / _weights(ref)
+        extra = max(0, slots - MEASURED_SLOTS)
+        slots_s = SLOT_S * extra * _slot_params(cfg, rank) / _slot_params(ref, 16)
+        slots_share = extra * _slot_params(cfg, rank) / _weights(cfg)
         rows = np.array(HOST_COPY_ROWS)
         # fixed + bytes · slope per direction, fitted to relative error (small copies matter)
         copy = tuple(tuple(np.polyfit(rows[:, 0], t, 1, w=1 / t)[::-1].tolist()) for t in rows.T[1:])
-        return cls(float(fixed * scale), float(per_seq * scale), float(per_token * scale),
+        return cls(float(fixed * scale + slots_s), float(per_seq * scale),
+                   float(per_token * scale * (1 + slots_share)),
                    ATTENTION_BYTES_PER_S, _kv_bytes_per_token(layout), copy)
 
     def copy_s(self, copies) -> float:
@@ -192,7 +212,7 @@ class ReplayEngine:
                                    max_model_len=self.max_model_len, schedule_policy=schedule_policy,
                                    max_wait_s=max_wait_s, session_ttl_s=session_ttl_s,
                                    clock=self.clock)
-        self.cost = cost or StepCost.h200(cfg, layout)
+        self.cost = cost or StepCost.h200(cfg, layout, self.slots.num_slots, rank)
         self.metrics = EngineStats()
         self.rng = np.random.default_rng(seed)
         self.warmup_s, self.max_lora_rank = 0.0, rank
