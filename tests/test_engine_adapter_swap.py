@@ -1,6 +1,7 @@
 """More adapters than device slots (lora/slots.py): adapters wait on the host and take a slot
 when a request needs one, least recently used first; outputs equal those of an engine with a
-slot for every adapter, pinned adapters keep theirs, and the bounds are clear errors."""
+slot for every adapter (and PEFT's), pinned adapters keep theirs, and the bounds are clear
+errors."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,9 @@ import forkjax
 from conftest import SMALL
 from forkjax.config import ModelConfig
 from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+from hf_utils import hf_logits, load_hf, rel_err
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -25,8 +28,8 @@ def _engine(policy="prefix", **kw):
                                           cache_policy=policy, **{**SMALL, **kw})
 
 
-def _prompt(seed, n=40):
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+def _prompt(seed, n=40, vocab=256):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
 
 
 def _run_all(engine, jobs):
@@ -39,23 +42,62 @@ def _run_all(engine, jobs):
     return [s.output for s in seqs]
 
 
+def _mixed_adapters(base: str, peft_dirs: dict) -> dict:
+    """Twelve adapters of mixed ranks (2-16) and target sets: the checkpoint's three PEFT ones
+    (q/k/v/o rank 8; every projection rank 4 with rsLoRA; v rank 16) and nine random ones."""
+    cfg = ModelConfig.from_hf(base)
+    targets = [("q_proj",), ("v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"),
+               ("k_proj", "down_proj"), TARGETS]
+    own = {f"r{i}": random_adapter(f"r{i}", cfg, (2, 4, 8, 16)[i % 4], 16.0, targets[i % 5], seed=i)
+           for i in range(9)}
+    return {**peft_dirs, **own}
+
+
+def _staggered(engine, jobs, per_step=3):
+    """Submit `per_step` of the (prompt, adapter) jobs a step, stepping until all finish -> outputs."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    seqs = []
+    while len(seqs) < len(jobs) or any(s.status is not Status.FINISHED for s in seqs):
+        seqs += [engine.add_request(p, a, params) for p, a in jobs[len(seqs):len(seqs) + per_step]]
+        engine.step()
+    assert all(s.error is None for s in seqs)
+    return [s.output for s in seqs]
+
+
 @pytest.mark.parametrize("policy", ["prefix", "forkkv"])
-def test_five_adapters_in_two_slots_give_the_outputs_of_seven(policy):
-    """Ten requests over five adapters, all queued at once, on an engine with two adapter slots:
-    each batch holds at most two adapters, the others wait and swap in as slots free up, and
-    every output (float32, greedy) equals the seven-slot engine's."""
-    jobs = [(_prompt(i), NAMES[i % 5]) for i in range(10)]
-    wide, narrow = _engine(policy), _engine(policy, max_loras=3)
+def test_twelve_adapters_in_three_slots_give_the_outputs_of_thirteen(policy, hf_suite):
+    """Fourteen requests over twelve adapters of mixed ranks and targets and the base model, on
+    an engine with three adapter slots: each batch holds at most three adapters, the others
+    wait on the host and swap in as slots free up, least recently used first, never out of the
+    running batch. Every output (float32, greedy) equals the thirteen-slot engine's, whether the
+    requests come at once or in another order, a few a step; under `prefix` a swapped-in PEFT
+    adapter's logits equal transformers + PEFT's."""
+    base, peft_dirs = hf_suite["llama"]
+    adapters = _mixed_adapters(base, peft_dirs)
+    names = list(adapters)
+    jobs = [(_prompt(i, 20 + 3 * i, 203), names[i % 12] if i < 12 else None) for i in range(14)]
+    kw = dict(SMALL, adapters=adapters, dtype="float32", cache_policy=policy)
+    wide = forkjax.Engine.from_pretrained(base, max_loras=13, **kw)
+    narrow = forkjax.Engine.from_pretrained(base, max_loras=4, **kw)
     want = _run_all(wide, jobs)
     assert _run_all(narrow, jobs) == want
     s = narrow.stats()
-    assert s["loras_loaded"] == 5 and s["loras_in_slots"] == 2
-    assert s["lora_swaps"] >= 3 and s["lora_swap_bytes"] >= 3 * min(a.nbytes for a in _adapters().values())
-    assert wide.stats()["lora_swaps"] == 0  # every adapter took a slot at start
+    assert s["loras_loaded"] == 12 and s["loras_in_slots"] == 3 and wide.stats()["lora_swaps"] == 0
+    assert s["lora_swaps"] >= 9 and s["lora_swap_bytes"] >= 9 * min(a.nbytes for a in adapters.values()
+                                                                     if not isinstance(a, str))
     # Swapped out and back, an adapter finds its own cached prefix (keys are content hashes).
     before = narrow.stats()["base_hit_tokens"]
-    assert _run_all(narrow, [(jobs[0][0], "a0")]) == [want[0]]
-    assert narrow.stats()["base_hit_tokens"] - before >= 32
+    assert _run_all(narrow, [jobs[0]]) == [want[0]]
+    assert narrow.stats()["base_hit_tokens"] - before >= 16
+    narrow.flush_cache()
+    order = np.random.default_rng(0).permutation(len(jobs))
+    got = _staggered(narrow, [jobs[i] for i in order])
+    assert [got[list(order).index(i)] for i in range(len(jobs))] == want
+    if policy == "prefix":
+        prompt = _prompt(99, 30, 203)
+        for name, path in peft_dirs.items():
+            ref = hf_logits(load_hf(base, adapter_dir=path), prompt)
+            assert rel_err(narrow.score(prompt, adapter=name), ref) < 1e-4, name
 
 
 def test_pinned_adapters_keep_their_slots_and_bounds_are_clear_errors():

@@ -72,3 +72,43 @@ def test_slot_writer_images_are_pinned_and_follow_the_weights():
     proj = _projection(model, 1, "q_proj")
     start = proj.a_rows("q_proj", 2)
     np.testing.assert_array_equal(np.asarray(proj.weight[...])[start:start + 8], new.weights[(1, "q_proj")][0].T)
+
+
+def _slots(num_slots, names, pinned=()):
+    from forkjax.lora.peft import LoraAdapter
+    from forkjax.lora.slots import AdapterSlots
+    slots = AdapterSlots(num_slots)
+    for n in names:
+        slots.add(LoraAdapter(n, 4, 1.0, {}), pinned=n in pinned)
+    return slots
+
+
+def _slot_of(writes) -> dict:
+    return {adapter.name: slot for slot, adapter in writes}
+
+
+def test_adapter_slots_evict_the_least_recently_used_idle_adapter():
+    """Two adapter slots (slot 0 is the base model's): a and b take them; a used again, so c
+    evicts b; an adapter that a running request uses, or that the same request names, or a
+    pinned one, never gives way, and where nothing can, acquire changes nothing."""
+    slots = _slots(3, "abcde")
+    assert _slot_of(slots.acquire(["a"])) == {"a": 1} and _slot_of(slots.acquire(["b", None])) == {"b": 2}
+    assert slots.acquire(["a"]) == [] and slots.acquire([None]) == []  # resident; the base needs none
+    assert _slot_of(slots.acquire(["c"])) == {"c": 2} and slots.slot_by_name == {"a": 1, "c": 2}
+    state = dict(slots.slot_by_name)
+    assert slots.acquire(["d"], busy=lambda: {"a", "c"}) is None and slots.slot_by_name == state
+    assert slots.acquire(["d", "e", "a"]) is None and slots.slot_by_name == state  # three at once
+    assert _slot_of(slots.acquire(["d", "a"], busy=lambda: set())) == {"d": 2}  # a is named: c goes
+    slots.remove("a")  # unloaded: its slot is free for the next one, nothing evicted
+    assert _slot_of(slots.acquire(["e"])) == {"e": 1} and slots.slot_by_name == {"d": 2, "e": 1}
+
+
+def test_pinned_adapters_and_adapters_loaded_later_share_the_slots():
+    from forkjax.lora.peft import LoraAdapter
+    slots = _slots(3, "ab", pinned="a")
+    assert _slot_of(slots.acquire(["a"])) == {"a": 1} and _slot_of(slots.acquire(["b"])) == {"b": 2}
+    slots.add(LoraAdapter("late", 4, 1.0, {}))  # loaded at run time, beyond the slots
+    assert slots.slot_of("late") is None and not slots.in_slots(["late"])
+    assert _slot_of(slots.acquire(["late"])) == {"late": 2}  # b gives way, the pinned a stays
+    assert slots.acquire(["b"], busy=lambda: {"late"}) is None
+    assert _slot_of(slots.acquire(["b"])) == {"b": 2} and slots.slot_of("a") == 1
