@@ -120,8 +120,12 @@ for stage in "$@"; do
         echo "bench_host_tier: rc=$?"; cat "$OUT/host_tier.log" ;;
     rebuild)
         run 420 rebuild.log python3 -m pytest -q tests/test_engine_rebuild.py tests/test_engine_memory.py ;;
-    tiers)
-        run 540 tiers.log python3 -m pytest -q tests/test_cache_host_pool.py tests/test_engine_host_tier.py ;;
+    tiers)  # the engine test's Pallas path with one pool (prefix) and with residuals and fan-out;
+        # the other policies differ in host bookkeeping only, tested on the CPU (cold compiles
+        # dominate this stage)
+        t=tests/test_engine_host_tier.py::test_agents_find_their_histories_on_the_host
+        run 540 tiers.log python3 -m pytest -q tests/test_cache_host_pool.py tests/test_engine_host_tier.py \
+            --deselect "$t[full_reuse]" --deselect "$t[forkkv]" --deselect "$t[lrshared]" ;;
     swaps)
         run 420 swaps.log python3 -m pytest -q tests/test_engine_adapter_swap.py ;;
     hardening)

@@ -1,6 +1,6 @@
 """The engine with a host tier (`host_kv_bytes`): agents whose histories were pushed off a small
 device pool come back for their next turn and find them on the host. Their outputs (float32,
-greedy) equal those of an unlimited pool, with and without residuals, the loaded pages are counted, and
+greedy) equal those of an unlimited pool under every policy, the loaded pages are counted, and
 nothing more is computed than in a pool that never evicts; `flush_cache` empties both tiers."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import forkjax
 from conftest import SMALL
 from test_engine_cache import _mild_adapters, _prompt, _shared_a_adapters
 
-# prefix (one pool), forkkv with fan-out (the base pool and every agent's residual namespace).
-POLICIES = ("prefix", "forkkv+fanout")
+# every policy: one pool (prefix, full_reuse), a base pool and per-agent residuals (forkkv,
+# with fan-out), one shared residual (lrshared)
+POLICIES = ("prefix", "full_reuse", "forkkv", "forkkv+fanout", "lrshared")
 
 
 def _turns(engine, names, histories, suffixes):
