@@ -119,9 +119,11 @@ def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, h
     rng = np.random.default_rng(1)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
 
-    def timed(names):  # -> the steps' wall times (the first 4, compiles, left out), swaps, host s
+    def timed(names):  # -> the steps' wall times, swaps and swap host s, the first 4 (compiles) left out
         walls, before = [], engine.stats()
-        for name in names:
+        for i, name in enumerate(names):
+            if i == 4:  # the swaps counted are those of the steps timed
+                before = engine.stats()
             engine.add_request(rng.integers(0, cfg.vocab_size, 16).tolist(), name, one)
             t = time.perf_counter()
             engine.step()
@@ -133,7 +135,8 @@ def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, h
     def compare(n):  # -> swap walls, resident walls, the wall a swap adds (ms), swaps, host s
         swap, swaps, host_s = timed([host_adapters[i % len(host_adapters)] for i in range(n + 4)])
         resident_walls, _, _ = timed([resident] * (n + 4))
-        return swap, resident_walls, float(swap.sum() - resident_walls.sum()) / max(swaps, 1) * 1e3, swaps, host_s
+        added_ms = float(swap.sum() - resident_walls.sum()) / max(swaps, 1) * 1e3
+        return swap, resident_walls, added_ms, swaps, host_s
 
     # B - 2 long requests: with the request admitted this step and the one that finished last
     # step (its result is taken in after this step launches), every step holds B rows, and no

@@ -92,7 +92,8 @@ def test_adapter_slots_evict_the_least_recently_used_idle_adapter():
     evicts b; an adapter that a running request uses, or that the same request names, or a
     pinned one, never gives way, and where nothing can, acquire changes nothing."""
     slots = _slots(3, "abcde")
-    assert _slot_of(slots.acquire(["a"])) == {"a": 1} and _slot_of(slots.acquire(["b", None])) == {"b": 2}
+    assert _slot_of(slots.acquire(["a"])) == {"a": 1}
+    assert _slot_of(slots.acquire(["b", None])) == {"b": 2}
     assert slots.acquire(["a"]) == [] and slots.acquire([None]) == []  # resident; the base needs none
     assert _slot_of(slots.acquire(["c"])) == {"c": 2} and slots.slot_by_name == {"a": 1, "c": 2}
     state = dict(slots.slot_by_name)

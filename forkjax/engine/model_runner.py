@@ -164,7 +164,8 @@ class ModelRunner:
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         args = (self.graphdef, self.state_def, jax.tree.map(shape, self.state_leaves),
                 jax.tree.map(shape, self.pools), inputs, shape(self.prev_tokens))
-        return step_program(inputs.tokens.shape[0]).trace(*args, **self._static(kind, all_logits, hidden)).lower()
+        program = step_program(inputs.tokens.shape[0])
+        return program.trace(*args, **self._static(kind, all_logits, hidden)).lower()
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -75,8 +75,9 @@ MEASURED_MODEL = "llama3-8b-random"
 # BENCHMARKS.md, Host tier: (bytes, store seconds, load seconds) of copies of 1-256 2 MiB pages.
 HOST_COPY_ROWS = ((1 << 21, 0.616e-3, 1.121e-3), (1 << 23, 0.597e-3, 0.923e-3),
                   (1 << 26, 1.954e-3, 2.077e-3), (1 << 29, 11.09e-3, 12.76e-3))
-# BENCHMARKS.md, Many adapters: the wall a swap adds to its step (rank-16 q/k/v/o, Llama-3-8B).
-SWAP_S = 2.16e-3
+# BENCHMARKS.md, Many adapters: the wall a swap adds to its step (rank-16 q/k/v/o, Llama-3-8B;
+# the median step with a swap less the median without).
+SWAP_S = 2.84e-3
 # The same section: decode B=64 at 2k in an engine of 65 rank-16 q/k/v/o adapter slots against
 # one without slots (10.35 against 9.48 ms): a slot's A rows and B, read and multiplied in every
 # step's GEMMs, add SLOT_S to a step. The rows above had MEASURED_SLOTS (bench_engine.py's default).
