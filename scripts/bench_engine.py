@@ -16,7 +16,8 @@ cut into one prompt per adapter) with requests spread over K distinct adapters i
 --max-loras). `--swap`: the visible cost of writing an adapter into a slot: decode steps of B - 2
 long requests, each step joined by a 16-token request whose adapter is on the host (a swap every step)
 against the same with the new requests' adapter resident; then those steps alone, where nothing
-hides a swap's cost.
+hides a swap's cost; `trace_4_swap_steps`: the longest host spans and kernels of four swap steps
+under JAX's profiler.
 """
 
 from __future__ import annotations
@@ -149,13 +150,16 @@ def swap_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, h
         engine.step()
     timed([resident] * 4)
     swap, resident_walls, visible_ms, swaps, host_s = compare(steps)
+    # where a swap step's time goes: host spans (the write's dispatch among them) and kernels
+    trace = timing.trace_summary(lambda: timed(host_adapters[:4]), top=25)
     for s in seqs:
         engine.abort(s)
     _, _, alone_ms, alone_swaps, _ = compare(steps)
     return dict(batch=batch, step_ms_swap=float(np.median(swap)) * 1e3,
                 step_ms_resident=float(np.median(resident_walls)) * 1e3, visible_ms=visible_ms, swaps=swaps,
                 image_MB=engine.writer.image_bytes(host_adapters[0]) / 1e6,
-                host_ms_per_swap=host_s / max(swaps, 1) * 1e3, alone_ms=alone_ms, alone_swaps=alone_swaps)
+                host_ms_per_swap=host_s / max(swaps, 1) * 1e3, alone_ms=alone_ms, alone_swaps=alone_swaps,
+                trace_4_swap_steps=trace)
 
 
 def main():

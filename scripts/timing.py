@@ -81,3 +81,34 @@ def copy_bandwidth(*, quick: bool = False, log=print):
             best = (bw, ms, how)
         del x
     return best
+
+
+def trace_summary(fn, top: int = 12) -> dict:
+    """Run fn() under JAX's profiler (C++ host spans and device kernels, no Python tracer) ->
+    {plane: [(line, span name, total ms, count)]}, the `top` longest spans of each plane by
+    total time: where a call's host and device time goes, without a trace viewer. Spans nest
+    (a jit call holds its argument transfers), so the totals overlap."""
+    import collections
+    import glob
+    import tempfile
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level, options.host_tracer_level = 0, 2
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, profiler_options=options)
+        try:
+            fn()
+        finally:
+            jax.profiler.stop_trace()
+        data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    out = {}
+    for plane in data.planes:
+        total, count = collections.Counter(), collections.Counter()
+        for line in plane.lines:
+            for ev in line.events:
+                total[(line.name, ev.name)] += ev.duration_ns
+                count[(line.name, ev.name)] += 1
+        if total:
+            out[plane.name] = [(line, name, round(ns / 1e6, 3), count[(line, name)])
+                               for (line, name), ns in total.most_common(top)]
+    return out
