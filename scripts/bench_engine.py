@@ -5,8 +5,9 @@
 `llama3-8b-random` (exact Llama-3-8B shapes, seeded random bf16 weights) with one rank-16 adapter
 on q/k/v/o, `forkkv`. Decode: B requests with distinct 2k-token prompts, timed over steady
 decode steps. Roofline per step = (weight bytes + KV bytes read) / copy bandwidth measured here.
-Host share = (scheduling + input building + postprocessing) / step wall, the issue's definition;
-dispatch share (the jit call: argument transfers and kernel launches) is reported beside it.
+Host share = (scheduling + input building + postprocessing) / step wall; dispatch share (the jit
+call: argument transfers and kernel launches) is reported beside it, and the largest batch's
+`trace_4_steps` says where four more steps' host and device time goes (JAX's profiler).
 Prefill: one 8k-token prompt (4 chunks of 2048; 16 of 512 with --deterministic) to its first
 token.
 
@@ -58,8 +59,9 @@ def param_bytes(engine) -> int:
 
 
 def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig, bw: float,
-                 adapters=("agent",)):
-    """Decode steps of `batch` requests, request i on adapters[i % len(adapters)]."""
+                 adapters=("agent",), trace: bool = False):
+    """Decode steps of `batch` requests, request i on adapters[i % len(adapters)]; `trace`: then
+    four more under JAX's profiler, where their host and device time goes."""
     rng = np.random.default_rng(batch)
     prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch)]
     names = [adapters[i % len(adapters)] for i in range(batch)]
@@ -67,7 +69,7 @@ def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig,
     # decoding together (otherwise the scheduler interleaves early decodes with later prefills
     # and every decode bucket below `batch` would be compiled and timed on the way).
     engine.generate(prompts, adapters=names, max_new_tokens=1)
-    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 12, ignore_eos=True)
     seqs = [engine.add_request(p, name, params) for p, name in zip(prompts, names)]
     while any(s.in_prefill or s.cache is None for s in seqs):
         engine.step()
@@ -81,6 +83,8 @@ def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig,
         walls.append(time.perf_counter() - t)
     spent = {k: engine.step_times[k] - t0[k] for k in t0}
     host = spent["schedule_s"] + spent["inputs_s"] + spent["postprocess_s"]
+    traced = {"trace_4_steps": timing.trace_summary(lambda: [engine.step() for _ in range(4)], top=25)
+              } if trace else {}
     for s in seqs:
         engine.abort(s)
     # bf16 K and V, a device's heads
@@ -92,7 +96,7 @@ def decode_bench(engine, batch: int, context: int, steps: int, cfg: ModelConfig,
                 ratio=step / roof, host_share=host / sum(walls),
                 dispatch_share=spent["dispatch_s"] / sum(walls),
                 per_step_ms={k[:-2]: v / steps * 1e3 for k, v in spent.items() if k != "steps"},
-                tokens_per_s=batch / step)
+                tokens_per_s=batch / step, **traced)
 
 
 _SEEDS = itertools.count()
@@ -247,7 +251,8 @@ def main():
         return
     for b in batches:
         t = time.perf_counter()
-        result["decode"].append(decode_bench(engine, b, args.context, args.steps, cfg, bw))
+        result["decode"].append(decode_bench(engine, b, args.context, args.steps, cfg, bw,
+                                             trace=b == max(batches)))
         result["decode"][-1]["section_s"] = time.perf_counter() - t
         save("decode")
     result["prefill"] = prefill_bench(engine, cfg, args.prefill_tokens)
