@@ -86,6 +86,7 @@ def test_twelve_adapters_in_three_slots_give_the_outputs_of_thirteen(policy, hf_
     assert s["lora_swaps"] >= 9 and s["lora_swap_bytes"] >= 9 * min(a.nbytes for a in adapters.values()
                                                                      if not isinstance(a, str))
     # Swapped out and back, an adapter finds its own cached prefix (keys are content hashes).
+    assert jobs[0][1] not in narrow.slots.slot_by_name
     before = narrow.stats()["base_hit_tokens"]
     assert _run_all(narrow, [jobs[0]]) == [want[0]]
     assert narrow.stats()["base_hit_tokens"] - before >= 16
