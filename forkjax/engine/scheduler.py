@@ -202,6 +202,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         for seq in seqs:
             if budget <= 0:
                 break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted by an earlier request's reservation in this loop
             self._catch_up(seq)
             if not seq.in_prefill:
                 continue  # now a full hit: its last token is computed by a decode step
