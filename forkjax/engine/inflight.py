@@ -8,16 +8,18 @@ hit for the same adapter under `prefix`, a full hit under `forkkv` with residual
 
 A page is named by a chain hash of the tokens up to its end (vLLM's block hashes) and by the pool
 and namespace it goes to, so two requests name one page alike exactly when they would share it in
-that tree. The leader registers every page of its prompt it will compute and nobody else has
-registered; a request waits before a page another live request registered and has not inserted
-yet. Owners never wait for the pages they own, and pages are registered in admission order, so
-waits cannot form a cycle: a wait ends when its leader's chunk is inserted, or when the leader
-leaves (finishes, aborts, is preempted), and then the follower computes and registers the page
-itself.
+that tree. The leader registers every page of its prompt it will compute and no request admitted
+before it has registered; a request waits before a page that a live request admitted before it
+registered and has not inserted yet. Waits thus follow admission order and cannot form a cycle
+(a request that waited for one pool's page of a leader that left could otherwise find that page
+claimed by a later request waiting for its own pages of another pool): a wait ends when its
+leader's chunk is inserted, or when the leader leaves (finishes, aborts, is preempted), and then
+the follower computes and registers the page itself, taking it over from any later request.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 
 import numpy as np
@@ -57,43 +59,56 @@ class InflightPages:
         self.page_size = page_size
         self.owner: dict[PageKey, int] = {}
         self._hashes: dict[int, list[int]] = {}  # request id -> chain hashes of its prompt's pages
-        self._owned: dict[int, list[tuple[int, PageKey]]] = {}  # request id -> (page, key)
+        self._owned: dict[int, dict[PageKey, int]] = {}  # request id -> {key: page}
+        self._rank: dict[int, int] = {}  # request id -> its place in admission order
+        self._admitted = itertools.count()
 
     def register(self, seq, start: int, end: int) -> None:
-        """Claim for `seq` the whole prompt pages in positions [start, end) nobody claimed."""
+        """Claim for `seq` the whole prompt pages in positions [start, end) that no request
+        admitted before it claimed (the first call admits it: later ones rank after it)."""
         S = self.page_size
         hashes = self._prompt_hashes(seq)
-        mine = self._owned.setdefault(seq.id, [])
+        rank = self._rank.get(seq.id)
+        if rank is None:
+            rank = self._rank[seq.id] = next(self._admitted)
+        mine = self._owned.setdefault(seq.id, {})
         for j in range(start // S, min(len(hashes), end // S)):
             for pool, ns in seq.key_ns:
                 key = (pool, ns, hashes[j])
-                if key not in self.owner:
-                    self.owner[key] = seq.id
-                    mine.append((j, key))
+                owner = self.owner.get(key)
+                if owner is not None and (owner == seq.id or self._rank[owner] < rank):
+                    continue
+                if owner is not None:  # a later request's: it waits for this one now
+                    del self._owned[owner][key]
+                self.owner[key] = seq.id
+                mine[key] = j
 
     def pages_for(self, seq, pool: int, first: int) -> int:
         """Consecutive prompt pages from page `first` on of `seq`'s pool number `pool` that
-        another request will insert."""
+        a request admitted before it will insert (for a waiting request, any running one)."""
         if not self.owner:
             return 0
         hashes = self._prompt_hashes(seq)
         kind, ns = seq.key_ns[pool]
+        rank = self._rank.get(seq.id)
         count = 0
         for j in range(first, len(hashes)):
             owner = self.owner.get((kind, ns, hashes[j]))
-            if owner is None or owner == seq.id:
+            if owner is None or owner == seq.id or (rank is not None and self._rank[owner] > rank):
                 break
             count += 1
         return count
 
     def wait_point(self, seq, start: int, end: int) -> int:
-        """First position in [start, end) of a page another request will insert, else end."""
+        """First position in [start, end) of a page that a request admitted before `seq` will
+        insert, else end."""
         S = self.page_size
         hashes = self._prompt_hashes(seq)
+        rank = self._rank[seq.id]
         for j in range(start // S, min(-(-end // S), len(hashes))):
             for pool, ns in seq.key_ns:
                 owner = self.owner.get((pool, ns, hashes[j]))
-                if owner is not None and owner != seq.id:
+                if owner is not None and self._rank[owner] < rank:
                     return max(j * S, start)
         return end
 
@@ -102,29 +117,21 @@ class InflightPages:
         mine = self._owned.get(rid)
         if not mine:
             return
-        keep = []
-        for page, key in mine:
-            if page < num_pages:
-                del self.owner[key]
-            else:
-                keep.append((page, key))
-        self._owned[rid] = keep
+        for key in [key for key, page in mine.items() if page < num_pages]:
+            del self.owner[key], mine[key]
 
     def forget(self, rid: int, pool_ns: tuple) -> None:
         """Request `rid` will not insert its pages of (pool, namespace) after all."""
-        keep = []
-        for page, key in self._owned.get(rid, ()):
-            if key[:2] == pool_ns:
-                del self.owner[key]
-            else:
-                keep.append((page, key))
-        self._owned[rid] = keep
+        mine = self._owned.get(rid, {})
+        for key in [key for key in mine if key[:2] == pool_ns]:
+            del self.owner[key], mine[key]
 
     def release(self, rid: int) -> None:
         """Request `rid` left: its pages are nobody's now."""
-        for _, key in self._owned.pop(rid, ()):
+        for key in self._owned.pop(rid, {}):
             del self.owner[key]
         self._hashes.pop(rid, None)
+        self._rank.pop(rid, None)
 
     def _prompt_hashes(self, seq) -> list[int]:
         hashes = self._hashes.get(seq.id)

@@ -1,0 +1,49 @@
+"""Every request finishes (engine/scheduler.py, engine/inflight.py), on the model-free replay
+engine: requests of agents that share a prefix never wait for each other in a circle, and an
+extend batch whose reservation preempts a request further down its own list skips it."""
+
+import numpy as np
+
+from forkjax.engine.admission import Admission
+from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.workflows.replay import ReplayEngine
+
+
+def _finish(engine, seqs, steps=1000):
+    for _ in range(steps):
+        if all(s.status is Status.FINISHED for s in seqs):
+            break
+        engine.step()
+    assert all(s.status is Status.FINISHED and s.error is None for s in seqs), \
+        [(s.status, s.num_computed, len(s)) for s in seqs]
+
+
+def test_agents_sharing_a_prefix_never_wait_in_a_circle():
+    """`forkkv`: agent b leads the shared prefix's base pages, c's first request waits for them
+    (its own residual pages registered), and the whole prefill budget goes to b. When b leaves,
+    c's second request is admitted before the first takes b's pages over: it must not claim
+    them, or each of c's requests would wait for a page the other one holds."""
+    engine = ReplayEngine("tiny-llama", ["a", "b", "c"], cache_policy="forkkv", kv_cache_bytes=8 << 20,
+                          max_batch_size=2, max_prefill_tokens=128, max_model_len=1024)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 250, 64).tolist()
+    jobs = [("b", 320, 1), ("c", 32, 4), ("c", 160, 4)]  # own tokens after the shared 64, outputs
+    seqs = [engine.add_request(shared + rng.integers(3, 250, n).tolist(), a,
+                               SamplingParams(max_new_tokens=m, ignore_eos=True)) for a, n, m in jobs]
+    _finish(engine, seqs, steps=100)
+    engine.cache.check()
+
+
+def test_an_extend_batch_skips_the_requests_its_reservations_preempted(monkeypatch):
+    # An admission whose estimate falls short (as a wrong session projection makes it) starts
+    # requests that do not fit together: their chunks' reservations preempt the youngest.
+    monkeypatch.setattr(Admission, "need", lambda self, seq: (0, 0))
+    engine = ReplayEngine("tiny-llama", ["a", "b"], cache_policy="prefix", kv_cache_bytes=49 * 16384,
+                          max_batch_size=4, max_prefill_tokens=256, max_model_len=4096)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    seqs = [engine.add_request(rng.integers(3, 250, n).tolist(), "ab"[i % 2], params)
+            for i, n in enumerate((692, 44, 122, 602))]
+    _finish(engine, seqs)
+    assert all(len(s.output) == 4 for s in seqs) and engine.stats()["preemptions"] > 0
+    engine.cache.check()
