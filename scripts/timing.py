@@ -8,9 +8,12 @@ copy rate as those times see it, the roofline the benchmarks divide by.
 
 from __future__ import annotations
 
+import collections
+import glob
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -88,10 +91,6 @@ def trace_summary(fn, top: int = 12) -> dict:
     {plane: [(line, span name, total ms, count)]}, the `top` longest spans of each plane by
     total time: where a call's host and device time goes, without a trace viewer. Spans nest
     (a jit call holds its argument transfers), so the totals overlap."""
-    import collections
-    import glob
-    import tempfile
-
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level, options.host_tracer_level = 0, 2
     with tempfile.TemporaryDirectory() as d:
