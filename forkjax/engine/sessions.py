@@ -29,9 +29,11 @@ admitted, or, for the agent expected next, shortly before it is due (`prefetch`)
 ends retires its paths (`RadixTree.retire`): nothing asks for them again, so they leave the host at
 once and the device first, without a write-back; so does an agent's next request the part of the
 agent's path its prompt leaves (in parallel rounds each answer is read again at another place). A
-session that does not pause keeps its whole projection on the device, as without a tier:
-otherwise its agents' paths would be copied out and back in at every turn, for no idle time to
-fill.
+session that does not pause keeps its whole projection on the device, as without a tier: copying
+its agents' paths out and back in at every turn, in the steps' stream, gains `prefix` ReAct
+workflows under 10%, and where agents read one history at once (parallel rounds) the live paths
+undercount what the next turn needs and requests are preempted and recomputed (BENCHMARKS.md,
+"Host tier").
 """
 
 from __future__ import annotations
