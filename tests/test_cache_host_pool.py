@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from forkjax.cache import host_pool
 from forkjax.cache.host_pool import MAX_BLOCK_BYTES, HostBudget, HostPagePool, block_sizes
 
 L, HKV, S, D, R = 2, 2, 4, 8, 4
@@ -133,3 +134,31 @@ def test_large_stores_in_blocks_of_at_most_max_block_and_warmup_keeps_the_pool()
     k2, _ = pool.execute(*random_pool(shape(32), 1))
     assert np.array_equal(page(k2, axis, [20, 21, 22]), np.take(want_k, [6, 1, 10], axis=axis))
     pool.check()
+
+
+def test_pinning_ahead_comes_in_chunks_and_a_refusal_shrinks_the_tier(monkeypatch):
+    """The tier's memory is pinned a store's largest block at a time (one array of the whole
+    tier would need its bytes on the device too); where the allocator refuses a chunk, pinning
+    stops and the tier shrinks to what was pinned, less the fragmentation's eighth."""
+    monkeypatch.setattr(host_pool, "MAX_BLOCK_BYTES", 1 << 20)
+    real, chunks = host_pool._zeros_to, []
+
+    def refusing_the_third(host, nbytes):
+        def pin():
+            if len(chunks) == 2:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (xla_gpu_host_bfc)")
+            out = real(host, nbytes)()
+            chunks.append((nbytes, out.sharding.memory_kind))
+            return out
+        return pin
+
+    assert host_pool.grow_pinned_host(5 << 19) == 5 << 19  # 1, 1 and 0.5 MiB
+    budget = HostBudget(8 << 20)
+    host_pool.pin_host_tier(budget, pinned_limit=1 << 30)  # wants 9 MiB
+    assert budget.capacity == 8 << 20  # all of it pinned
+    monkeypatch.setattr(host_pool, "_zeros_to", refusing_the_third)
+    host_pool.pin_host_tier(budget, pinned_limit=1 << 30)
+    assert chunks == [(1 << 20, "pinned_host")] * 2
+    assert budget.capacity == (2 << 20) * 8 // 9
+    host_pool.pin_host_tier(budget, pinned_limit=0)  # the limit caps it: nothing asked, nothing lost
+    assert budget.capacity == (2 << 20) * 8 // 9

@@ -38,19 +38,46 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def grow_pinned_host(nbytes: int, device=None) -> None:
-    """Have XLA's pinned host allocator take `nbytes` now, in one region, which it keeps when
-    the array is freed. It grows on demand otherwise, and each growth (cudaHostAlloc) waits for
-    the device's work in flight: on the H200 a store that grew it held the host ~0.1-0.2 s,
-    one that fit the allocator's region 0.3 ms. Pinning takes ~0.5 s a GiB there, so the
-    engine runs this in a thread of its own at start. Best effort: where the allocator cannot
-    give `nbytes` at once (another engine's host pages still live), it grows as stores come."""
+def grow_pinned_host(nbytes: int, device=None, chunk_bytes: int | None = None) -> int:
+    """Have XLA's pinned host allocator take `nbytes` now, which it keeps once the arrays are
+    freed; returns the bytes it gave. It grows on demand otherwise, and each growth
+    (cudaHostAlloc) waits for the device's work in flight: on the H200 a store that grew it held
+    the host ~0.1-0.2 s, one that fit the allocator's region 0.3 ms. Pinning takes ~0.5 s a GiB
+    there, so the engine runs this in a thread of its own at start. The bytes come in arrays of
+    `chunk_bytes` (a store's largest block): one array of `nbytes` would need as many device bytes
+    for the program's output before its copy out, and a growth the machine refuses leaves the
+    allocator asking for as much at every later growth, so that small stores fail too. Stops at
+    the first array the allocator cannot give (another engine's host pages still live, or the
+    machine pins no more)."""
     host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
+    chunk_bytes = chunk_bytes or MAX_BLOCK_BYTES
+    held, given = [], 0
     try:
-        jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=host)().block_until_ready()
+        while given < nbytes:
+            n = min(chunk_bytes, nbytes - given)
+            held.append(_zeros_to(host, n)())
+            held[-1].block_until_ready()
+            given += n
     except jax.errors.JaxRuntimeError as e:
-        log.warning("host tier: could not pin %d bytes ahead (%s); stores may wait for the "
-                    "allocator to grow", nbytes, str(e).splitlines()[0])
+        log.warning("host tier: pinned %d of %d bytes ahead (%s)", given, nbytes, str(e).splitlines()[0])
+    return given
+
+
+@functools.cache
+def _zeros_to(host: jax.sharding.Sharding, nbytes: int):
+    return jax.jit(lambda: jnp.zeros((nbytes,), jnp.uint8), out_shardings=host)
+
+
+def pin_host_tier(budget: HostBudget, pinned_limit: int, device=None) -> None:
+    """Pin the tier's bytes and an eighth more for the allocator's fragmentation (at most
+    `pinned_limit`, XLA's limit); where the machine pins less, the tier shrinks to what was
+    pinned, less that eighth, so that no store waits on an allocator that cannot grow (each
+    such allocation retries for 10 s before it fails)."""
+    want = min(budget.capacity + budget.capacity // 8, pinned_limit)
+    given = grow_pinned_host(want, device)
+    if given < want:
+        budget.capacity = min(budget.capacity, given * 8 // 9)
+        log.warning("host tier: %d bytes (the machine pinned %d)", budget.capacity, given)
 
 
 class HostBudget:

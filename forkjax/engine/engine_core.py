@@ -22,7 +22,7 @@ import time
 import jax
 
 from forkjax.cache import DualRadixCache, PoolLayout
-from forkjax.cache.host_pool import grow_pinned_host
+from forkjax.cache.host_pool import pin_host_tier
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
@@ -67,12 +67,11 @@ class EngineCore:
         host_bytes = (memory.host_kv_bytes(cfg.host_kv_bytes, on_gpu, kv_bytes)
                       if cfg.tensor_parallel_size == 1 else 0)
         self.cache = DualRadixCache.from_layout(layout, host_bytes)
-        # The host tier's pinned memory is taken while the warm-up compiles, with an eighth more
-        # for the allocator's fragmentation (host_pool.grow_pinned_host).
+        # The host tier's pinned memory is taken while the warm-up compiles (host_pool.pin_host_tier).
         self._pinning = None
         if on_gpu and host_bytes:
-            self._pinning = threading.Thread(target=grow_pinned_host, name="forkjax-pin-host", daemon=True,
-                                             args=(min(host_bytes + host_bytes // 8, memory.pinned_host_limit()),))
+            self._pinning = threading.Thread(target=pin_host_tier, name="forkjax-pin-host", daemon=True,
+                                             args=(self.cache.host_budget, memory.pinned_host_limit()))
             self._pinning.start()
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
                           fixed=cfg.deterministic)
