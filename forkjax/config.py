@@ -15,6 +15,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 CACHE_POLICIES = ("forkkv", "prefix", "full_reuse", "lrshared")
 DTYPES = ("float32", "bfloat16")
 SCHEDULE_POLICIES = ("lpm", "fifo")
+# Adapters a fan-out request writes residuals for by default: every token's K/V write stores
+# one residual row per target, so the width is compiled into the step (`max_fanout_adapters`)
+DEFAULT_MAX_FANOUT = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,9 @@ class EngineConfig:
     # "sgmv" (each token against its own slot: cost follows the adapters in the batch), lora/layers.py
     lora_path: str = "fused"
     residual_fanout: bool = False  # forkkv: requests write the residuals of the adapters in slots
+    # forkkv: adapters one request fans out to at most (residual rows a token writes beside its
+    # own, a width of the compiled step); None: max_loras - 2, at most DEFAULT_MAX_FANOUT
+    max_fanout_adapters: int | None = None
     residual_fraction: float | None = None  # share of kv_cache_bytes for the residual pool
     # forkkv: residual token slots per base token slot, the adapters that read one context at
     # once (a workflow's agents); None: every adapter that fits in a device slot
@@ -180,6 +186,12 @@ class EngineConfig:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
         if self.residual_fanout and self.cache_policy != "forkkv":
             raise ValueError(f"residual_fanout=True needs cache_policy='forkkv', not {self.cache_policy!r}")
+        most = max(self.max_loras - 2, 0)  # beside the base model's slot and the request's own
+        f = self.max_fanout_adapters
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= most):
+            raise ValueError(f"max_fanout_adapters={f!r}: expected an int in [0, {most}] "
+                             f"(max_loras={self.max_loras} slots: the base model's, the request's own "
+                             f"and its fan-out targets)")
         if self.residual_fraction is not None and not (
                 isinstance(self.residual_fraction, (int, float)) and 0 < self.residual_fraction < 1):
             raise ValueError(f"residual_fraction={self.residual_fraction!r}: expected a number in (0, 1)")
@@ -190,3 +202,15 @@ class EngineConfig:
                              f"a residual per adapter, not {self.cache_policy!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected one of {SCHEDULE_POLICIES}")
+
+    @property
+    def fanout_width(self) -> int:
+        """Residual fan-out targets a request may have (`max_fanout_adapters` resolved)."""
+        if self.max_fanout_adapters is not None:
+            return self.max_fanout_adapters
+        return default_fanout_width(self.max_loras)
+
+
+def default_fanout_width(max_loras: int) -> int:
+    """Fan-out targets beside the base model's slot and a request's own, at most DEFAULT_MAX_FANOUT."""
+    return min(max(max_loras - 2, 0), DEFAULT_MAX_FANOUT)

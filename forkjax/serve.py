@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual-fanout", action="store_true",
                    help="forkkv: every request also writes the residual KV of the adapters in device slots "
                         "(a request's fanout_adapters overrides it)")
+    p.add_argument("--max-fanout-adapters", type=int, default=None,
+                   help="forkkv: adapters one request fans out to at most (residual rows a token "
+                        "writes, compiled into the step; default max_loras - 2, at most 6)")
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of --kv-cache-bytes for the residual pool, in (0, 1) (default: one "
                         "residual copy per base token per adapter that fits in a device slot)")
@@ -205,6 +208,7 @@ NUMBER_FLAGS = {
     "seed": (lambda v: 0 <= v < 2**63, "an int in [0, 2**63)"),
     "residual_fraction": (lambda v: 0 < v < 1, "a fraction strictly between 0 and 1"),
     "residual_copies": (_positive, "an int >= 1"),
+    "max_fanout_adapters": (lambda v: v >= 0, "an int >= 0"),
     "session_ttl": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
     "body_timeout": (lambda v: 0 < v < math.inf, "finite seconds > 0"),
     "shutdown_timeout": (lambda v: 0 <= v < math.inf, "finite seconds >= 0"),
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None):
             max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
             pinned_adapters=args.pinned_lora, seed=args.seed,
             lora_target_modules=args.lora_target_modules, lora_path=args.lora_path, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-            residual_fanout=args.residual_fanout, residual_fraction=args.residual_fraction,
+            residual_fanout=args.residual_fanout, max_fanout_adapters=args.max_fanout_adapters,
+            residual_fraction=args.residual_fraction,
             residual_copies=args.residual_copies,
             schedule_policy=args.schedule_policy, deterministic=args.deterministic,
             host_kv_bytes=args.host_kv_bytes, tensor_parallel_size=args.tensor_parallel_size,

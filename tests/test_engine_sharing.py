@@ -79,6 +79,31 @@ def test_fanout_makes_a_later_fork_a_full_hit_and_is_exact_for_one_adapter():
     assert _run(fan, PROMPTS, ["a0"] * 4, 8) == _run(exact, PROMPTS, ["a0"] * 4, 8)
 
 
+def test_the_fanout_width_bounds_the_targets_not_what_they_cache():
+    """A token writes `max_fanout_adapters` residual rows whatever the adapter slots: a0 fanning
+    out to its group [a2, a3] at width 2 gives what the default width gives (outputs, and later
+    forks of a2 and a3 that hit while a1 computes its residual); a request naming no group fans
+    out to the first two other adapters in slots."""
+    later = [PREFIX + _prompt(60 + i, 9) for i in range(3)]
+
+    def run(engine, **kw):
+        lead = _run_with(engine, PROMPTS[0], "a0", **kw)
+        engine.reset_stats()
+        forks = [_run(engine, [p], [n])[0] for p, n in zip(later, ["a1", "a2", "a3"])]
+        return lead, forks, engine.stats()["prefill_tokens_computed"]
+    narrow = run(_engine(max_fanout_adapters=2), fanout_adapters=["a2", "a3"])
+    assert narrow == run(_engine(), fanout_adapters=["a2", "a3"])
+    assert narrow[2] == 521 + 9 + 9
+    assert run(_engine(residual_fanout=True, max_fanout_adapters=2))[2] == 9 + 9 + 521
+
+
+def _run_with(engine, prompt, name, **kw):
+    seq = engine.add_request(prompt, name, SamplingParams(max_new_tokens=4, ignore_eos=True), **kw)
+    while engine.scheduler.has_work:
+        engine.step()
+    return list(seq.output)
+
+
 def test_fanout_writes_the_other_agents_xA_from_this_agents_hidden_states(hf_suite):
     """The residual a0 writes for a1 is x·A_k, x·A_v of a1 with x a0's layer inputs: compared
     with transformers + PEFT in float64 (a0's hidden states, a1's A from its file)."""
@@ -187,6 +212,7 @@ def test_residual_pool_follows_the_adapters_loaded_at_start():
     ({}, dict(fanout_adapters=["nobody"]), "unknown adapter"),
     ({}, dict(fanout_adapters="a1"), "list of adapter names"),
     ({}, dict(session_id=5), "session_id"),
+    (dict(max_fanout_adapters=1), dict(fanout_adapters=["a1", "a2"]), "max_fanout_adapters=1"),
 ])
 def test_bad_sharing_arguments_are_refused(kw, call, err):
     engine = _engine(**kw)
@@ -199,6 +225,8 @@ def test_bad_sharing_arguments_are_refused(kw, call, err):
                                     (dict(schedule_policy="random"), "schedule_policy"),
                                     (dict(residual_fraction=1.5), "residual_fraction"),
                                     (dict(residual_copies=0), "residual_copies"),
+                                    (dict(max_fanout_adapters=7), r"max_fanout_adapters=7: .* \[0, 6\]"),
+                                    (dict(max_loras=4, max_fanout_adapters=-1), r"\[0, 2\]"),
                                     (dict(residual_copies=2, residual_fraction=0.1), "give one"),
                                     (dict(cache_policy="prefix", residual_copies=2), "forkkv")])
 def test_bad_engine_options_are_refused(kw, err):

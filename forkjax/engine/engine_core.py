@@ -81,7 +81,7 @@ class EngineCore:
                                    session_ttl_s=_check_ttl(session_ttl_s))
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
-                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg))
+                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=cfg.fanout_width)
         self.metrics = EngineStats()
         self.overlap = overlap
         self._inflight: Launched | None = None

@@ -44,15 +44,16 @@ def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]
 
 
 def build_inputs(batch: ScheduledBatch, b: int, c: int, w: int, num_slots: int,
-                 fanout: bool) -> tuple[StepInputs, SamplingArrays]:
+                 fanout: int) -> tuple[StepInputs, SamplingArrays]:
     """The step inputs of `batch` in bucket (b, c, w), and its requests' sampling parameters.
-    `fanout`: with the residual slots of every adapter slot for every position
-    (`PagedMeta.fan_slots`)."""
+    `fanout`: the fan-out width F, the adapter slots a position writes residuals for besides
+    its own and their residual slots (`PagedMeta.fan_adapters`, `fan_slots`; 0: none)."""
     t = b * c
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     prev_rows = np.full(t, -1, np.int32)
     base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    fan_slots = np.zeros((t, num_slots), np.int32) if fanout else None
+    fan_slots = np.zeros((t, fanout), np.int32) if fanout else None
+    fan_adapters = np.zeros((t, fanout), np.int32) if fanout else None
     base_pt, res_pt = np.zeros((b, w), np.int32), np.zeros((b, w), np.int32)
     prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
     group_sizes = np.zeros(num_slots, np.int32)
@@ -65,33 +66,31 @@ def build_inputs(batch: ScheduledBatch, b: int, c: int, w: int, num_slots: int,
             if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
                 prev_rows[i * c] = row.prev_row
             base_slots[i * c], res_slots[i * c] = row.base_slots[0], row.res_slots[0]
-            if fanout:
-                for slot, slots in row.fan_slots.items():
-                    fan_slots[i * c, slot] = slots[0]
+            for j, (slot, slots) in enumerate(row.fan_slots.items()):
+                fan_adapters[i * c, j], fan_slots[i * c, j] = slot, slots[0]
         else:
             r = slice(i * c, i * c + e - s)
             tokens[r] = row.tokens
             positions[r] = np.arange(s, e)
             base_slots[r], res_slots[r] = row.base_slots, row.res_slots
-            if fanout:
-                for slot, slots in row.fan_slots.items():
-                    fan_slots[r, slot] = slots
+            for j, (slot, slots) in enumerate(row.fan_slots.items()):
+                fan_adapters[r, j], fan_slots[r, j] = slot, slots
         bpt, rpt = row.base_page_table, row.res_page_table
         base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
         prefix[i], chunk[i], adapter[i] = s, e - s, row.adapter_slot
         group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
         rows[i] = i * c + e - s - 1
-    meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots)
+    meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots, fan_adapters)
     return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
 
 
 def dummy_inputs(b: int, c: int, w: int, num_slots: int,
-                 fanout: bool) -> tuple[StepInputs, SamplingArrays]:
+                 fanout: int) -> tuple[StepInputs, SamplingArrays]:
     """Inputs of bucket (b, c, w) with no request in them: every row padding (warm-up)."""
     t = b * c
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     meta = PagedMeta(z(t), z(t), z(b, w), z(b, w), z(b), np.full(b, c, np.int32), z(b),
-                     z(t, num_slots) if fanout else None)
+                     *((z(t, fanout), z(t, fanout)) if fanout else ()))
     return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(num_slots), meta, z(b)),
             sampling_arrays([], b))
 

@@ -6,10 +6,10 @@ fixed set of programs serves every batch, compiled at start or in the background
 (compiler.py); page tables are as wide as the bucket of the batch's longest request. A program
 compiled after warm-up logs a warning: a shape escaped the buckets.
 
-Residual fan-out adds one input, the residual slots of every adapter slot for every token
-(`PagedMeta.fan_slots`), written by the K/V write: an engine with `residual_fanout` runs (and
-compiles) only programs with it; otherwise a batch runs them only when one of its requests fans
-out.
+Residual fan-out adds two inputs, a token's fan-out targets (at most `fanout_width` adapter
+slots) and their residual slots (`PagedMeta.fan_adapters`, `fan_slots`), written by the K/V
+write: an engine with `residual_fanout` runs (and compiles) only programs with them; otherwise a
+batch runs them only when one of its requests fans out.
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ class Fetched:
 
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
-                 use_pallas: bool, fanout: bool = False):
+                 use_pallas: bool, fanout: bool = False, fanout_width: int = 0):
         self.layout = layout
         self.buckets = buckets
         self.num_slots = num_slots
         self.residual = layout.policy.uses_residual
-        self.fanout = fanout
+        self.fanout_width = fanout_width
+        self.fanout = fanout and fanout_width > 0
         self.use_pallas = use_pallas
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
@@ -115,7 +116,7 @@ class ModelRunner:
         request's shapes first, then larger batches. Now, not in the background, also the host
         tier's copies of `host_pools` (base, residual; they run on the pools, which a serving
         step donates: in the background they compile when first needed)."""
-        items = [(self._key(kind, b, c, w, False, False, self.fanout), self._lowering(kind, b, c, w))
+        items = [(self._key(kind, b, c, w, False, False, self._width(self.fanout)), self._lowering(kind, b, c, w))
                  for kind, b, c, w in sorted(self.buckets.all(), key=lambda s: (s[3], s[1], s[2]))]
         cores = os.cpu_count() or 1
         if background:
@@ -150,13 +151,17 @@ class ModelRunner:
         if self.background_warmup is not None:
             self.background_warmup.stop()
 
+    def _width(self, fanout: bool) -> int:
+        """The fan-out width of a program with (or without) fan-out inputs."""
+        return self.fanout_width if fanout else 0
+
     def _key(self, *shape) -> tuple:
-        """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fanout)."""
+        """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fan-out width)."""
         return (self.graphdef, self.state_def, self._program, *shape)
 
     def _lowering(self, kind, b, c, w):
         return lambda: self._lower(kind, False, False,
-                                   dummy_inputs(b, c, w, self.num_slots, self.fanout)[0])
+                                   dummy_inputs(b, c, w, self.num_slots, self._width(self.fanout))[0])
 
     def _lower(self, kind, all_logits, hidden, inputs):
         """The step of `inputs`' shapes, lowered from shapes alone (the pools may be donated
@@ -179,7 +184,7 @@ class ModelRunner:
         self._host_copies(batch.host_pools)
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
-        fanout = self.fanout or any(r.fan_slots for r in batch.rows)
+        fanout = self._width(self.fanout or any(r.fan_slots for r in batch.rows))
         inputs, sampling = build_inputs(batch, b, c, w, self.num_slots, fanout)
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(

@@ -31,9 +31,10 @@ class PagedMeta:
     prefix_lengths: jax.Array  # [B] int32 tokens before this step's chunk
     chunk_lengths: jax.Array  # [B] int32 tokens in the chunk (1 in decode)
     adapter_ids: jax.Array  # [B] int32 LoRA slot of each request
-    # [T, N] int32 residual slot of each token for every adapter slot it fans out to (0: none);
-    # None in programs without residual fan-out
+    # Residual fan-out, F targets a token at most (None in programs without it): [T, F] int32
+    # residual slot of each target's row (0: none) and [T, F] int32 its adapter slot
     fan_slots: jax.Array | None = None
+    fan_adapters: jax.Array | None = None
 
 
 def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
@@ -49,7 +50,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
     run = dict(backend=_backend(use_pallas), interpret=None)  # None: interpreted off a GPU
-    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, fan_checks)
+    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, m.fan_adapters, fan_checks)
     if kind == "decode" and residual and qkv.proj.lora_path == "fused" and attention.fused_decode_supported(
             qkv.heads, pools.base_k.shape[-2], pools.res_k.shape[-1], pools.base_k.dtype, **run):
         # one kernel from the q|k|v GEMM's output to the attention kernel's operands and the
@@ -96,17 +97,18 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
     return out.reshape(t, hq, hd), pools
 
 
-def _with_fanout(write, qkv: QKV, fan_slots, checks: list | None):
+def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list | None):
     """Residual fan-out: the K/V write also stores every token's x·A_j of the adapter slots j in
-    `fan_slots` [T, N] (0: not written), beside its own residual, in the same kernel; `checks`
-    gets their finiteness [T, N]."""
+    `fan_adapters` [T, F] at `fan_slots` [T, F] (0: not written), beside its own residual, in
+    the same kernel; `checks` gets their finiteness [T, F]. F, not the N adapter slots, sets the
+    rows a token writes: the kernel takes each row as an operand of its own."""
     if fan_slots is None:
         return write
 
     def write_all(pools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None):
-        res_slots = jnp.concatenate([res_slots[:, None], fan_slots], axis=1)  # [T, 1 + N]
-        xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), qkv.all_slots_xa(part)],
-                                      axis=1)  # [T, 1 + N, R]
+        res_slots = jnp.concatenate([res_slots[:, None], fan_slots], axis=1)  # [T, 1 + F]
+        xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), jnp.take_along_axis(
+            qkv.all_slots_xa(part), fan_adapters[..., None], axis=1)], axis=1)  # [T, 1 + F, R]
                       for own, part in ((xa_k, "k_proj"), (xa_v, "v_proj")))
         if checks is not None:
             checks.append(jnp.isfinite(xa_k[:, 1:]).all(-1) & jnp.isfinite(xa_v[:, 1:]).all(-1))

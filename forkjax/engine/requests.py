@@ -50,10 +50,10 @@ def check_session(session_id, session_end, session_tokens, session_next_s=None) 
         raise ValueError("session_end, session_tokens and session_next_s need a session_id")
 
 
-def slot_fanout(slots: AdapterSlots, own: str | None) -> list[str]:
+def slot_fanout(slots: AdapterSlots, own: str | None, width: int) -> list[str]:
     """Whom a `residual_fanout` request without `fanout_adapters` fans out to: the other adapters
-    in device slots now, as many as fit beside its own."""
-    return [n for n in slots.slot_by_name if n != own][: slots.num_slots - 2]
+    in device slots now, as many as fit beside its own, at most `width` (`fanout_width`)."""
+    return [n for n in slots.slot_by_name if n != own][: min(slots.num_slots - 2, width)]
 
 
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, own_key, names,
@@ -61,9 +61,10 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
     """`fanout_adapters` -> {adapter name: cache key} of the residuals a request on adapter
     `own` writes besides its own (within its `salt`): None follows `config.residual_fanout`
     (none, or the other adapters in device slots now: every loaded one while they fit in
-    `max_loras`). ValueError if they and `own` cannot be in device slots at once."""
+    `max_loras`, at most `max_fanout_adapters`). ValueError if they are more than
+    `max_fanout_adapters` or they and `own` cannot be in device slots at once."""
     if names is None:
-        names = slot_fanout(slots, own) if config.residual_fanout else []
+        names = slot_fanout(slots, own, config.fanout_width) if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
     names = list(names)
@@ -75,6 +76,10 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
         if key not in keys:  # the same weights under two names share one residual
             keys.add(key)
             out[name] = key
+    if len(out) > config.fanout_width:
+        raise ValueError(f"fanout_adapters names {len(out)} adapters, more than the engine's "
+                         f"max_fanout_adapters={config.fanout_width} (a width of its compiled step; "
+                         f"set it at start, up to max_loras - 2)")
     need = {own, *out} - {None}
     room = slots.num_slots - 1 - len(slots.pinned - need)
     if len(need) > room:

@@ -72,7 +72,7 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
-    fan_checks = []  # [T, N] per layer, appended while the layers are traced
+    fan_checks = []  # [T, F] per layer, appended while the layers are traced
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
                              inv_freq=model.inv_freq[...], fan_checks=fan_checks)
     h, pools, layers = model(tokens, batch, attn, pools, output_hidden_states=hidden)
@@ -87,8 +87,10 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
     finite &= jnp.isfinite(rows).all(-1)
     n = inputs.group_sizes.shape[0]
     fan_finite = jnp.ones((b, n), bool)
-    if fan_checks:
-        fan_ok = jnp.stack(fan_checks).all(0).reshape(b, -1, n)  # [B, c, N]
+    if fan_checks:  # a target's rows that are not finite, per adapter slot
+        fan_bad = ~jnp.stack(fan_checks).all(0)[..., None] & (
+            inputs.meta.fan_adapters[..., None] == jnp.arange(n))  # [T, F, N]
+        fan_ok = ~fan_bad.any(1).reshape(b, -1, n)  # [B, c, N]
         fan_finite = jnp.all(fan_ok | ~valid[..., None], axis=1)
     return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite,
             states), pools

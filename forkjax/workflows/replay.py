@@ -52,7 +52,7 @@ import dataclasses
 import numpy as np
 
 from forkjax.cache import DualRadixCache, PoolLayout, residual_copies_for
-from forkjax.config import ModelConfig
+from forkjax.config import ModelConfig, default_fanout_width
 from forkjax.engine.buckets import Buckets
 from forkjax.engine.model_runner import Fetched
 from forkjax.engine.requests import check_session, slot_fanout
@@ -227,7 +227,8 @@ class ReplayEngine:
         check_session(session_id, session_end, session_tokens, session_next_s)
         self.slots.check(adapter)
         if fanout_adapters is None:  # as the engine: the other adapters in device slots now
-            fanout_adapters = slot_fanout(self.slots, adapter) if self.residual_fanout else ()
+            fanout_adapters = (slot_fanout(self.slots, adapter, default_fanout_width(self.slots.num_slots))
+                               if self.residual_fanout else ())
         fanout = {a: a for a in fanout_adapters if a != adapter}  # the agents' keys: their names
         for a in fanout:
             self.slots.check(a)
