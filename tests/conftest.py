@@ -1,4 +1,5 @@
 import functools
+import gc
 import importlib.metadata
 import importlib.util
 import os
@@ -61,6 +62,29 @@ def pytest_collection_modifyitems(items):
         ordered += mine + rest[:take]
         rest = rest[take:]
     items[:] = ordered + rest
+
+
+# Every compiled CPU program maps its code in many pieces, and jax's caches and the engine's
+# COMPILER keep every program: a worker running half the suite passed Linux's vm.max_map_count
+# (65,530 regions) and died in the next mmap (SIGSEGV loading a program from the disk cache).
+MAX_MAPPED_REGIONS = 32768
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_programs():
+    """After a test module, past MAX_MAPPED_REGIONS, drop the programs nothing holds any more
+    (later modules load theirs from the disk cache)."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            regions = sum(1 for _ in f)
+    except OSError:  # not Linux
+        return
+    if regions > MAX_MAPPED_REGIONS:
+        from forkjax.engine.compiler import COMPILER
+        COMPILER.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 def bench_workflows():

@@ -37,6 +37,7 @@ BAD = [
     (["--residual-fraction", "0"], "--residual-fraction 0.0: expected a fraction"),
     (["--residual-fraction", "nan"], "--residual-fraction nan: expected a fraction"),
     (["--residual-copies", "0"], "--residual-copies 0: expected an int >= 1"),
+    (["--max-fanout-adapters", "-1"], "--max-fanout-adapters -1: expected an int >= 0"),
     (["--session-ttl", "inf"], "--session-ttl inf: expected finite seconds >= 0"),
     (["--body-timeout", "0"], "--body-timeout 0.0: expected finite seconds > 0"),
     (["--body-timeout", "nan"], "--body-timeout nan: expected finite seconds > 0"),

@@ -68,6 +68,11 @@ class ShapeCompiler:
             self._fill(key, future, lambda: lower().compile())
         return future.result()
 
+    def clear(self) -> None:
+        """Forget the programs compiled (engines keep those they hold; compiles in flight stay)."""
+        with self._lock:
+            self._futures = {k: f for k, f in self._futures.items() if not f.done()}
+
     def compiled(self, key: Hashable) -> bool:
         future = self._futures.get(key)
         return future is not None and future.done() and future.exception() is None
