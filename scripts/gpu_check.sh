@@ -2,6 +2,8 @@
 # GPU checks and benchmarks by stage, results under $OUT.
 # Stages, run in the order given (each time-boxed, so that a few fit a 10-minute command):
 #   tests   kernel (Triton, registry, SGMV) + engine Pallas-path tests  tests.log      ~5 min
+#   checks  tests, swaps and tiers at once, a third of the GPU's memory each  (their logs) ~5 min
+#           (compiles dominate them, and the host has 16 cores)
 #   sweep   bench_kernels.py --sweep --quick (B=32 L=8k, 2k/8k)     bench_kernels.*    ~2.5 min
 #   table   bench_kernels.py, the full table with kernel defaults  bench_kernels.*    ~4 min
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
@@ -62,6 +64,9 @@ for stage in "$@"; do
         run 330 tests.log python3 -m pytest -q tests/test_paged_attention_kernels.py \
             tests/test_paged_attention_mosaic_operands.py tests/test_kernel_registry.py \
             tests/test_engine_pallas.py tests/test_sgmv.py ;;
+    checks)
+        for s in tests swaps tiers; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 bash "$0" $s & done
+        wait ;;
     mgpu)  # a hung kernel blocks the device for later commands: run Mosaic stages last
         run 120 mgpu_tests.log python3 -m pytest -q tests/test_paged_attention_mosaic.py \
             tests/test_kv_write.py ;;
