@@ -186,7 +186,7 @@ class EngineConfig:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
         if self.residual_fanout and self.cache_policy != "forkkv":
             raise ValueError(f"residual_fanout=True needs cache_policy='forkkv', not {self.cache_policy!r}")
-        most = max(self.max_loras - 2, 0)  # beside the base model's slot and the request's own
+        most = fanout_room(self.max_loras)
         f = self.max_fanout_adapters
         if f is not None and (isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= most):
             raise ValueError(f"max_fanout_adapters={f!r}: expected an int in [0, {most}] "
@@ -211,6 +211,10 @@ class EngineConfig:
         return default_fanout_width(self.max_loras)
 
 
+def fanout_room(max_loras: int) -> int:
+    """Adapter slots beside the base model's and a request's own: its fan-out targets at most."""
+    return max(max_loras - 2, 0)
+
+
 def default_fanout_width(max_loras: int) -> int:
-    """Fan-out targets beside the base model's slot and a request's own, at most DEFAULT_MAX_FANOUT."""
-    return min(max(max_loras - 2, 0), DEFAULT_MAX_FANOUT)
+    return min(fanout_room(max_loras), DEFAULT_MAX_FANOUT)

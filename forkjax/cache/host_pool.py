@@ -38,23 +38,22 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def grow_pinned_host(nbytes: int, device=None, chunk_bytes: int | None = None) -> int:
+def grow_pinned_host(nbytes: int, device=None) -> int:
     """Have XLA's pinned host allocator take `nbytes` now, which it keeps once the arrays are
     freed; returns the bytes it gave. It grows on demand otherwise, and each growth
     (cudaHostAlloc) waits for the device's work in flight: on the H200 a store that grew it held
     the host ~0.1-0.2 s, one that fit the allocator's region 0.3 ms. Pinning takes ~0.5 s a GiB
     there, so the engine runs this in a thread of its own at start. The bytes come in arrays of
-    `chunk_bytes` (a store's largest block): one array of `nbytes` would need as many device bytes
+    MAX_BLOCK_BYTES (a store's largest block): one array of `nbytes` would need as many device bytes
     for the program's output before its copy out, and a growth the machine refuses leaves the
     allocator asking for as much at every later growth, so that small stores fail too. Stops at
     the first array the allocator cannot give (another engine's host pages still live, or the
     machine pins no more)."""
     host = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind="pinned_host")
-    chunk_bytes = chunk_bytes or MAX_BLOCK_BYTES
     held, given = [], 0
     try:
         while given < nbytes:
-            n = min(chunk_bytes, nbytes - given)
+            n = min(MAX_BLOCK_BYTES, nbytes - given)
             held.append(_zeros_to(host, n)())
             held[-1].block_until_ready()
             given += n

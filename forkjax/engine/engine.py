@@ -33,7 +33,8 @@ class Engine(EngineCore):
                         max_lora_rank=None, *, max_loras: int = 8, max_cpu_loras: int | None = None,
                         pinned_adapters=(), seed: int = 0,
                         lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool = False,
-                        max_fanout_adapters: int | None = None, residual_fraction: float | None = None, residual_copies: int | None = None,
+                        max_fanout_adapters: int | None = None, residual_fraction: float | None = None,
+                        residual_copies: int | None = None,
                         schedule_policy: str = "lpm",
                         deterministic: bool = False, host_kv_bytes: int | None = None,
                         tensor_parallel_size: int = 1, **engine_kwargs):
@@ -50,7 +51,8 @@ class Engine(EngineCore):
         request also writes the residuals of the other adapters in device slots (every other
         loaded one while they fit) from its own hidden states, unless it names its group
         (`fanout_adapters`); `max_fanout_adapters`: the most a request fans out to (residual rows
-        a token writes beside its own, compiled into the step; default max_loras - 2, at most 6). `residual_fraction`: share of `kv_cache_bytes` for the residual
+        a token writes beside its own, compiled into the step; default max_loras - 2, at most 6).
+        `residual_fraction`: share of `kv_cache_bytes` for the residual
         pool, or `residual_copies` (`forkkv`): residual copies of each base token it holds room
         for, the adapters that read one context at once (default: every adapter that fits in a
         slot; with workflows that each bring their own agents, a workflow's agents).

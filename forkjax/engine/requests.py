@@ -52,8 +52,8 @@ def check_session(session_id, session_end, session_tokens, session_next_s=None) 
 
 def slot_fanout(slots: AdapterSlots, own: str | None, width: int) -> list[str]:
     """Whom a `residual_fanout` request without `fanout_adapters` fans out to: the other adapters
-    in device slots now, as many as fit beside its own, at most `width` (`fanout_width`)."""
-    return [n for n in slots.slot_by_name if n != own][: min(slots.num_slots - 2, width)]
+    in device slots now, the first `width` (`fanout_width`: at most the slots beside its own)."""
+    return [n for n in slots.slot_by_name if n != own][:width]
 
 
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, own_key, names,
