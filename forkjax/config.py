@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from forkjax.sizes import parse_size
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 CACHE_POLICIES = ("forkkv", "prefix", "full_reuse", "lrshared")
 DTYPES = ("float32", "bfloat16")
@@ -132,6 +134,8 @@ class EngineConfig:
     cache_policy: str = "forkkv"
     dtype: str = "bfloat16"
     page_size: int = 16
+    # KV budget per device; given as any size `forkjax.sizes.parse_size` takes ("16G", 60e9), held as
+    # an int. None: the platform's default (engine/memory.py)
     kv_cache_bytes: int | None = None
     max_batch_size: int | None = None
     max_lora_rank: int | None = None
@@ -155,12 +159,14 @@ class EngineConfig:
     # Logits bitwise independent of the batch, the chunking and prefix hits (buckets.py: fixed)
     deterministic: bool = False
     # Host memory for pages evicted from the device (cache/host_pool.py); 0: evicted pages are
-    # dropped and recomputed; None: the platform's default (engine/memory.py: off on a CPU)
+    # dropped and recomputed; None: the platform's default (engine/memory.py: off on a CPU). Any
+    # size form, as kv_cache_bytes
     host_kv_bytes: int | None = None
     # Devices the model is split over (tensor_parallel.py): a 1-D mesh of the first local ones
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        self._parse_sizes()
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy={self.cache_policy!r}: expected one of {CACHE_POLICIES}")
         if self.dtype not in DTYPES:
@@ -171,9 +177,6 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: expected a positive int or None")
-        if self.host_kv_bytes is not None and (isinstance(self.host_kv_bytes, bool) or not isinstance(
-                self.host_kv_bytes, int) or self.host_kv_bytes < 0):
-            raise ValueError(f"host_kv_bytes={self.host_kv_bytes!r}: expected an int >= 0 or None")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive int")
@@ -202,6 +205,17 @@ class EngineConfig:
                              f"a residual per adapter, not {self.cache_policy!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected one of {SCHEDULE_POLICIES}")
+
+    def _parse_sizes(self):
+        """Hold the byte sizes as ints, whatever form they were given in ("16G", 60e9, ...), so
+        that the engine reads one type and a bad size fails here, naming its keyword."""
+        for name in ("kv_cache_bytes", "host_kv_bytes"):
+            v = getattr(self, name)
+            if v is not None:
+                try:
+                    object.__setattr__(self, name, parse_size(v))  # frozen: set before anyone reads it
+                except ValueError as e:
+                    raise ValueError(f"{name}={v!r}: {e}") from None
 
     @property
     def fanout_width(self) -> int:

@@ -27,7 +27,11 @@ not depend on what runs beside it, on its prompt's chunking or on prefix hits (b
 (default: a request compiles the shapes it needs first), all before serving (full), or when a
 request first needs them (none).
 
-The HTTP layer is in forkjax/server/; this file parses flags, builds the engine and runs uvicorn.
+The engine runs in a process of its own (forkjax/server/core_proc.py), which owns the device
+and steps without waiting on HTTP work; this process, the front end, validates, tokenizes,
+detokenizes and streams, and speaks to the engine only through forkjax/server/messages.py. If
+the engine's process dies, requests get 503 and the server exits with status 1 within seconds,
+for a supervisor to restart it. This file parses flags, starts the engine core and runs uvicorn.
 """
 
 from __future__ import annotations
@@ -38,35 +42,26 @@ import contextlib
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import threading
 
-import jax
 import uvicorn
 
-import forkjax
-from forkjax.engine import memory
-from forkjax.engine.engine import WARMUP_MODES
-from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.server.app import create_app
-from forkjax.server.engine_loop import EngineLoop, display_path
+from forkjax.server.core_client import CoreClient, CoreDied
+from forkjax.server.messages import display_path
 from forkjax.server.middleware import GUARDED_PREFIXES
+from forkjax.sizes import size_flag
 
 DEFAULT_MAX_BODY = 8 << 20
 # Requests still running when --shutdown-timeout passes are aborted and answered with an error;
 # uvicorn cancels those whose answer has not gone out this much later (a stuck client or step).
 ABORT_GRACE_S = 5.0
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'268435456', '256M', '1.5GiB' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 268435456, 256M, 2GiB)")
-    return int(float(m[1]) * _UNITS[m[2]])
+# Once the engine core has died, new requests get 503 this long before the server exits: a
+# client or load balancer sees why, rather than a refused connection.
+DEATH_GRACE_S = 2.0
+WARMUP = ("background", "full", "none")  # the engine's warmup True / "background" / False
 
 
 def parse_lora(text: str) -> tuple[str, str]:
@@ -118,17 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"),
                    help="admission order: lpm serves cached prefixes first, with a bounded wait "
                         "(%(default)s)")
-    p.add_argument("--session-ttl", type=float, default=SESSION_TTL_S, metavar="SECONDS",
+    p.add_argument("--session-ttl", type=float, default=None, metavar="SECONDS",
                    help="seconds a session (session_id) with no request keeps its KV pages: about "
-                        "your longest tool call (%(default)s); a request with session_end releases "
-                        "them at once")
+                        "your longest tool call (default: the engine's, 30); a request with "
+                        "session_end releases them at once")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-, chunking- and cache-invariant logits: one program per step kind "
                         "(slower: BENCHMARKS.md, deterministic mode)")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
-                   help="KV cache budget, e.g. 2G (default: 90%% of free device memory less the largest "
+    p.add_argument("--kv-cache-bytes", type=size_flag, default=None,
+                   help="KV cache budget: bytes, 60e9, 60GB, 56GiB, 60g (decimal) or 56G (binary) "
+                        "(default: 90%% of free device memory less the largest "
                         "step's workspace; 256M on CPU)")
-    p.add_argument("--host-kv-bytes", type=parse_bytes, default=None,
+    p.add_argument("--host-kv-bytes", type=size_flag, default=None,
                    help="host memory for KV pages evicted from the device, loaded back on a hit "
                         "instead of recomputed, e.g. 64G; 0: off (default: off on a CPU, on a GPU "
                         "half the available host memory, at most twice the KV budget; raises XLA's "
@@ -160,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="projections with LoRA slots, e.g. q_proj k_proj v_proj o_proj (default: "
                         "those the --lora adapters target; all when none are given)")
-    p.add_argument("--warmup", default="background", choices=tuple(WARMUP_MODES),
+    p.add_argument("--warmup", default="background", choices=WARMUP,
                    help="when the step programs compile (%(default)s)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each step before scheduling the next (default: overlap them)")
@@ -172,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route under "
                         f"{', '.join(GUARDED_PREFIXES)} (/health, /metrics, /version and the API "
                         "docs stay open; default: $FORKJAX_API_KEY)")
-    p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY,
+    p.add_argument("--max-request-bytes", type=size_flag, default=DEFAULT_MAX_BODY,
                    help="largest request body accepted (8M)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive, else 408 (%(default)s)")
@@ -224,57 +220,76 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace):
             parser.error(f"--{name.replace('_', '-')} {value}: expected {what}")
 
 
-def main(argv: list[str] | None = None):
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The flags as `Engine.from_pretrained`'s keywords (those left at None keep the engine's
+    defaults); the engine core process builds its engine with them."""
+    kw = dict(adapters=dict(args.lora) or None, cache_policy=args.cache_policy, dtype=args.dtype,
+              page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes,
+              max_batch_size=args.max_batch_size, max_lora_rank=args.max_lora_rank,
+              max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+              pinned_adapters=args.pinned_lora, seed=args.seed,
+              lora_target_modules=args.lora_target_modules, lora_path=args.lora_path,
+              max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+              residual_fanout=args.residual_fanout, max_fanout_adapters=args.max_fanout_adapters,
+              residual_fraction=args.residual_fraction, residual_copies=args.residual_copies,
+              schedule_policy=args.schedule_policy, deterministic=args.deterministic,
+              host_kv_bytes=args.host_kv_bytes, tensor_parallel_size=args.tensor_parallel_size,
+              warmup=args.warmup, progress=True, overlap=not args.disable_overlap_schedule)
+    if args.session_ttl is not None:
+        kw["session_ttl_s"] = args.session_ttl
+    return kw
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (exit status 2 and one line naming the flag if not)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.residual_fanout and args.cache_policy != "forkkv":
         parser.error(f"--residual-fanout needs --cache-policy forkkv, not {args.cache_policy}")
     check_numbers(parser, args)
-    memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
+    return args
+
+
+def main(argv: list[str] | None = None):
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("forkjax").setLevel(args.log_level.upper())
-    if args.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-    print(f"forkjax: loading {args.model} ({args.dtype}, cache policy {args.cache_policy}) on "
-          f"{jax.default_backend()}", file=sys.stderr, flush=True)
     try:
-        engine = forkjax.Engine.from_pretrained(
-            args.model, adapters=dict(args.lora) or None, cache_policy=args.cache_policy, dtype=args.dtype,
-            page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, max_batch_size=args.max_batch_size,
-            max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-            pinned_adapters=args.pinned_lora, seed=args.seed,
-            lora_target_modules=args.lora_target_modules, lora_path=args.lora_path, max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-            residual_fanout=args.residual_fanout, max_fanout_adapters=args.max_fanout_adapters,
-            residual_fraction=args.residual_fraction,
-            residual_copies=args.residual_copies,
-            schedule_policy=args.schedule_policy, deterministic=args.deterministic,
-            host_kv_bytes=args.host_kv_bytes, tensor_parallel_size=args.tensor_parallel_size,
-            session_ttl_s=args.session_ttl, warmup=WARMUP_MODES[args.warmup], progress=True, overlap=not args.disable_overlap_schedule)
-    except (OSError, ValueError) as e:  # bad flags or files: say which, no traceback
+        client = CoreClient.spawn(args.model, engine_kwargs(args), log_level=args.log_level,
+                                  compilation_cache_dir=args.compilation_cache_dir)
+    except (ValueError, CoreDied) as e:  # bad flags or files: say which, no traceback
         sys.exit(f"forkjax.serve: error: {e}")
-    loop = EngineLoop(engine)
+    try:
+        serve(args, client)
+    finally:
+        client.shutdown()  # aborts what the drain left running; stops the engine core
+    if client.dead is not None:
+        sys.exit(f"forkjax: stopped: {client.dead}")
+    print("forkjax: stopped", file=sys.stderr, flush=True)
+
+
+def serve(args: argparse.Namespace, client: CoreClient):
+    """Run the HTTP front end until SIGTERM or SIGINT, or until the engine core dies."""
     name = args.served_model_name or display_path(args.model)
-    app = create_app(loop, model_name=name, model_root=display_path(args.model), api_key=args.api_key,
-                     max_body_bytes=args.max_request_bytes, body_timeout_s=args.body_timeout,
-                     max_lora_rank=engine.max_lora_rank)
+    app = create_app(client, model_name=name, model_root=display_path(args.model), api_key=args.api_key,
+                     max_body_bytes=args.max_request_bytes, body_timeout_s=args.body_timeout)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"forkjax: warning: serving on {args.host} without --api-key: anyone who can reach it "
               "can use it and load adapters from this machine's files", file=sys.stderr)
 
     def ready(url: str):
-        print(f"forkjax: ready: serving {name} with adapters {sorted(loop.adapters) or '(none)'} at "
+        print(f"forkjax: ready: serving {name} with adapters {sorted(client.adapters) or '(none)'} at "
               f"{url}/v1" + (" (API key required)" if args.api_key else ""), flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S)
-    server = ReadyServer(config, ready, drain_s=args.shutdown_timeout, abort=loop.stop_requests)
-    loop.start()
-    try:
-        server.run()
-    finally:
-        loop.shutdown()  # aborts what the drain left running
-        engine.close()  # stops the warm-up: its compile in progress, if any, finishes
-    print("forkjax: stopped", file=sys.stderr, flush=True)
+    server = ReadyServer(config, ready, drain_s=args.shutdown_timeout, abort=client.stop_requests)
+
+    def died():
+        print(f"forkjax: {client.dead}: stopping in {DEATH_GRACE_S:g} s", file=sys.stderr, flush=True)
+        asyncio.get_running_loop().call_later(DEATH_GRACE_S, setattr, server, "should_exit", True)
+    client.on_death = died
+    server.run()
 
 
 class ReadyServer(uvicorn.Server):

@@ -38,6 +38,7 @@ from forkjax.engine.memory import step_workspace_bytes
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 from forkjax.pallas_kernels.paged_attention import triton as triton_attention
+from forkjax.sizes import size_flag
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 
@@ -180,7 +181,7 @@ def main():
                     help="deterministic mode: one decode and one extend program (buckets.py)")
     ap.add_argument("--target-programs", type=int,
                     help="programs the decode kernels' split-K heuristic aims for (default 1024)")
-    ap.add_argument("--kv-cache-bytes", type=float, default=24e9,
+    ap.add_argument("--kv-cache-bytes", type=size_flag, default=int(24e9),
                     help="KV pool budget (a smaller pool than the engine's default compiles faster)")
     ap.add_argument("--active", help="comma list of distinct adapters active at once, e.g. 0,1,8,32,64: "
                     "decode and prefill per count (0: the base model) instead of the default sections")
@@ -211,7 +212,7 @@ def main():
                                             tensor_parallel_size=args.tensor_parallel_size,
                                             cache_policy=args.policy,
                                             max_batch_size=max(64, *batches),
-                                            kv_cache_bytes=int(args.kv_cache_bytes), warmup=False,
+                                            kv_cache_bytes=args.kv_cache_bytes, warmup=False,
                                             overlap=not args.no_overlap,
                                             deterministic=args.deterministic)
     load_s = time.perf_counter() - t

@@ -47,6 +47,7 @@ from forkjax.fidelity.metrics import summarize
 from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import trained_adapters
 from forkjax.models.gguf import GGUFCheckpoint, packaged_path
+from forkjax.sizes import size_flag
 from forkjax.workflows.tasks import fidelity_lines
 
 POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared", "base")
@@ -62,7 +63,7 @@ def main(argv=None):
     ap.add_argument("--adapters", default=None,
                     help="trained agents' directories, comma-separated (default: the built-in's); "
                          "the first gives `policies`, all of them the sweep (e.g. other ranks)")
-    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--kv-cache-bytes", type=size_flag, default=1 << 30)
     ap.add_argument("--scales", default="", help="adapter strengths (factors on B, e.g. "
                     "0.25,0.5,1,2): every set's runs for the strength curve (strength.png)")
     ap.add_argument("--seed", type=int, default=0)

@@ -55,7 +55,8 @@ class Server:
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
-                out[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+                name = re.sub(r'model_name="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+                out[name] = float(value)
         return out
 
 

@@ -101,3 +101,21 @@ def test_packages_are_layered():
             packages.setdefault(d, set())
     assert "models" not in packages["lora"]
     assert cycles(packages) == []
+
+
+def test_the_front_end_reaches_the_engine_through_the_protocol_only():
+    """`python -m forkjax.serve` and the HTTP server import no module of the engine package,
+    directly or not: the engine core process (server/core_proc.py) is reached through
+    server/messages.py alone."""
+    graph = import_graph()
+    front = ["forkjax.serve"] + [m for m in graph if m.startswith("forkjax.server.")
+                                 and m != "forkjax.server.core_proc"]
+    seen, todo = set(), list(front)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            if module != "forkjax":  # the package imports Engine only when asked for it (lazily)
+                todo.extend(graph[module])
+    assert "forkjax.server.messages" in seen
+    assert sorted(m for m in seen if m.startswith("forkjax.engine") or m == "forkjax.server.core_proc") == []

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from serve_utils import AUTH, BASE, DEMO, complete, wait_for
+from serve_utils import AUTH, BASE, DEMO, KEY, complete, wait_for
 
 
 SYSTEM = ("You are one of four agents sharing this workspace. Read the whole task, think step by "
@@ -74,6 +76,34 @@ def test_client_disconnect_cancels_and_frees(server):
                       and m["forkjax:num_requests_running"] == 0)
     assert final["forkjax:generation_tokens_total"] - before["forkjax:generation_tokens_total"] < 2 * budget
     assert after["forkjax:num_requests_waiting"] == 0
+
+
+CLIENT = """
+import sys, httpx
+body = {"prompt": "a killed client", "max_tokens": 900, "ignore_eos": True, "stream": True}
+with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=120,
+                  headers={"Authorization": "Bearer " + sys.argv[2]}) as r:
+    for line in r.iter_lines():
+        print(line, flush=True)
+"""
+
+
+def test_a_client_killed_mid_stream_is_aborted_and_its_pages_freed(server):
+    used = 'forkjax:kv_pages_used{pool="base"}'
+    with server.http() as http:
+        http.post("/flush_cache")
+    idle = server.metrics()[used]
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, server.url, KEY], stdout=subprocess.PIPE)
+    try:
+        assert client.stdout.readline().startswith(b"data: ")  # streaming has begun
+        assert server.metrics()["forkjax:num_requests_running"] == 1
+    finally:
+        client.kill()
+        client.wait()
+    wait_for(server, lambda m: m["forkjax:num_requests_running"] == 0)
+    with server.http() as http:
+        http.post("/flush_cache")
+    assert server.metrics()[used] == idle
 
 
 def test_metrics_prometheus_format(server):

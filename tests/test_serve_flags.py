@@ -10,8 +10,7 @@ import sys
 import pytest
 from serve_utils import REPO
 
-import forkjax
-from forkjax.serve import NUMBER_FLAGS, main
+from forkjax.serve import NUMBER_FLAGS, CoreClient, engine_kwargs, main, parse_args
 
 PROG = "python -m forkjax.serve: error: "
 
@@ -53,7 +52,7 @@ def test_every_numeric_flag_is_checked():
 
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(argv) for argv, _ in BAD])
 def test_bad_number_is_refused_in_one_line(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(forkjax.Engine, "from_pretrained", lambda *a, **kw: pytest.fail("loaded a model"))
+    monkeypatch.setattr(CoreClient, "spawn", lambda *a, **kw: pytest.fail("started the engine"))
     with pytest.raises(SystemExit) as e:
         main(argv)
     out = capsys.readouterr()
@@ -65,23 +64,16 @@ def test_bad_number_is_refused_in_one_line(argv, message, capsys, monkeypatch):
                                   ["--residual-fraction", "0.5"], ["--seed", "7"], ["--max-model-len", "1"],
                                   ["--kv-cache-bytes", "1"], ["--session-ttl", "0"], ["--host-kv-bytes", "0"]])
 def test_edge_values_pass_the_check(argv, monkeypatch):
-    def from_pretrained(model, **kw):
+    def spawn(model, kwargs, **spec):
         raise ValueError("checked")
-    monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(CoreClient, "spawn", spawn)
     with pytest.raises(SystemExit, match="forkjax.serve: error: checked"):
         main([*argv, "--compilation-cache-dir", ""])
 
 
-def test_adapter_and_parallelism_flags_reach_the_engine(monkeypatch):
-    seen = {}
-
-    def from_pretrained(model, **kw):
-        seen.update(kw)
-        raise ValueError("checked")
-    monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
-    with pytest.raises(SystemExit):
-        main(["--max-loras", "4", "--max-cpu-loras", "64", "--pinned-lora", "a", "--pinned-lora", "b",
-              "-tp", "2", "--compilation-cache-dir", ""])
+def test_adapter_and_parallelism_flags_reach_the_engine():
+    seen = engine_kwargs(parse_args(["--max-loras", "4", "--max-cpu-loras", "64", "--pinned-lora", "a",
+                                     "--pinned-lora", "b", "-tp", "2"]))
     assert (seen["max_loras"], seen["max_cpu_loras"], seen["pinned_adapters"]) == (4, 64, ["a", "b"])
     assert seen["tensor_parallel_size"] == 2
 

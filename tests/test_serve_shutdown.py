@@ -1,58 +1,20 @@
-"""Stopping the server while requests run: once --shutdown-timeout has passed, the engine loop
+"""Stopping the server while requests run: once --shutdown-timeout has passed, the engine core
 aborts what is left and every client gets an OpenAI-shaped answer (a 503 error, or an error
 event then `data: [DONE]` on a stream) instead of a cut connection, and the log says so in one
-line, without a traceback."""
+line, without a traceback. When the engine core's process is killed, the same answers come at
+once and the server exits with status 1."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import time
 
 import openai
 import pytest
 from serve_utils import KEY, Server, start_server
-from test_serve_engine_loop import ScriptedEngine, submit
-
-from forkjax.server.engine_loop import EngineLoop, ShuttingDown
-
-FOREVER = 10**6  # tokens: the scripted engine's requests run until aborted
-
-
-# ---- the engine loop over a scripted engine ---------------------------------------------------
-
-def test_stop_requests_ends_running_queued_and_held_requests():
-    loop = EngineLoop(ScriptedEngine())
-    loop.start()
-    try:
-        running, added, _ = submit(loop, "a", FOREVER)
-        added.result(5)
-        unloaded = loop.after_drain("a", lambda: "unloaded")
-        held_sink, held, _ = submit(loop, "a", 5)  # waits for the unload of "a"
-        loop.stop_requests()
-        assert running.done.wait(5)
-        assert running.outputs[-1].finish_reason == "shutdown" and running.outputs[-1].error is None
-        with pytest.raises(ShuttingDown):
-            held.result(5)
-        assert unloaded.result(5) == "unloaded" and not held_sink.outputs
-        _, late, _ = submit(loop, "b", 5)
-        with pytest.raises(ShuttingDown):
-            late.result(5)
-        assert loop.finished["shutdown"] == 1
-    finally:
-        loop.shutdown()
-    assert not loop.alive
-
-
-def test_shutdown_ends_the_requests_it_holds():
-    loop = EngineLoop(ScriptedEngine())
-    loop.start()
-    sink, added, _ = submit(loop, "a", FOREVER)
-    added.result(5)
-    loop.shutdown()
-    assert not loop.alive
-    assert sink.done.is_set() and sink.outputs[-1].finish_reason == "shutdown"
 
 
 # ---- a real server, stopped with SIGTERM ----------------------------------------------------
@@ -148,3 +110,42 @@ def test_requests_cut_by_shutdown_get_an_error_and_the_log_no_traceback(stoppabl
     for bad in ("Traceback", "CancelledError", "ERROR"):
         assert bad not in log, log
     assert "forkjax: stopped" in log
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine core's process: the server's child running forkjax.server.core_proc."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError):
+            continue
+        if ppid == server_pid and b"forkjax.server.core_proc" in cmdline:
+            return int(pid)
+    raise AssertionError("no engine core process")
+
+
+def test_a_killed_engine_core_fails_requests_and_the_server_exits_1(stoppable):
+    server, proc = stoppable
+    with server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    running = lambda: server.metrics()["forkjax:num_requests_running"]  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        def plain():
+            with server.http() as http:
+                return http.post("/v1/completions", json={"prompt": "a long answer", **LONG})
+        plain_done = pool.submit(plain)
+        _wait(lambda: running() == 1, "the request to run")
+        os.kill(_core_pid(proc.pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        response = plain_done.result(30)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_unavailable"
+    with server.http() as http:  # new requests, until the server is gone
+        late = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert late.status_code == 503 and "exit status -9" in late.json()["error"]["message"]
+    assert proc.wait(timeout=30) == 1
+    assert time.monotonic() - killed_at < 10
+    assert "forkjax: stopped: the engine core process died (exit status -9)" in server.log.read_text()

@@ -107,32 +107,23 @@ def test_requests_accept_what_openai_clients_send():
 # ---- command line -----------------------------------------------------------------------------
 
 def test_cli_lora_target_modules_reaches_the_engine():
-    """A bad --lora-target-modules stops the server at start with the engine's message."""
+    """A bad --lora-target-modules stops the server at start with the engine's message (the
+    engine core process refuses it and the front end exits with it)."""
     from forkjax.serve import main
     with pytest.raises(SystemExit, match="lm_head.*not supported"):
         main(["--lora-target-modules", "q_proj", "lm_head", "--kv-cache-bytes", "32M",
               "--compilation-cache-dir", ""])
 
 
-def test_cli_cache_flags_reach_the_engine(monkeypatch):
-    import forkjax
-    from forkjax.serve import main
-    calls = []
-
-    def from_pretrained(model, **kw):
-        calls.append(kw)
-        raise ValueError("stop before loading")
-
-    monkeypatch.setattr(forkjax.Engine, "from_pretrained", from_pretrained)
-    for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy", "fifo",
-                      "--deterministic", "--warmup", "full", "--session-ttl", "5"], ["--warmup", "none"]):
-        with pytest.raises(SystemExit, match="forkjax.serve: error: stop before loading"):
-            main([*argv, "--compilation-cache-dir", ""])
-    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic", "warmup",
-            "session_ttl_s")
-    picked = [tuple(kw[k] for k in keys) for kw in calls]
-    assert picked == [(False, None, "lpm", False, "background", 30.0),
-                      (True, 0.25, "fifo", True, True, 5.0), (False, None, "lpm", False, False, 30.0)]
+def test_cli_cache_flags_reach_the_engine():
+    from forkjax.serve import engine_kwargs, parse_args
+    keys = ("residual_fanout", "residual_fraction", "schedule_policy", "deterministic", "warmup")
+    picked = [tuple(engine_kwargs(parse_args(argv)).get(k) for k in (*keys, "session_ttl_s"))
+              for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy",
+                                "fifo", "--deterministic", "--warmup", "full", "--session-ttl", "5"],
+                           ["--warmup", "none"])]
+    assert picked == [(False, None, "lpm", False, "background", None),
+                      (True, 0.25, "fifo", True, "full", 5.0), (False, None, "lpm", False, "none", None)]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -142,9 +133,8 @@ def test_cli_cache_flags_reach_the_engine(monkeypatch):
     (["--session-ttl", "-1"], "--session-ttl -1.0: expected finite seconds >= 0"),
 ])
 def test_cli_refuses_bad_cache_flags_before_loading(argv, message, capsys, monkeypatch):
-    import forkjax
-    from forkjax.serve import main
-    monkeypatch.setattr(forkjax.Engine, "from_pretrained", lambda *a, **kw: pytest.fail("loaded a model"))
+    from forkjax.serve import CoreClient, main
+    monkeypatch.setattr(CoreClient, "spawn", lambda *a, **kw: pytest.fail("started the engine"))
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

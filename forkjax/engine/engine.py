@@ -36,10 +36,13 @@ class Engine(EngineCore):
                         max_fanout_adapters: int | None = None, residual_fraction: float | None = None,
                         residual_copies: int | None = None,
                         schedule_policy: str = "lpm",
-                        deterministic: bool = False, host_kv_bytes: int | None = None,
+                        deterministic: bool = False, host_kv_bytes: int | float | str | None = None,
                         tensor_parallel_size: int = 1, **engine_kwargs):
         """`model`: a HF checkpoint dir or a built-in name; `adapters`: {name: PEFT dir or
         LoraAdapter}. The tiny built-in models load their demo adapters when `adapters` is None.
+        `kv_cache_bytes` (per device; None: what the device's free memory allows, engine/memory.py)
+        and `host_kv_bytes` take any size `forkjax.sizes.parse_size` reads: 16 * 2**30, 60e9,
+        "16GB", "16GiB", "16G" (vLLM's letters: upper case binary, lower case decimal).
         `max_loras`: device adapter slots (slot 0 is the bare model): more adapters than
         slots wait on the host and take a slot when a request needs one, least recently used
         first (lora/slots.py); `max_cpu_loras`: adapters loaded at most (None: no bound);

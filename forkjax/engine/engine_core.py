@@ -55,8 +55,12 @@ class EngineCore:
         rank = self.max_lora_rank = slot_rank(model)
         limit, in_use = memory.device_memory()
         max_batch = cfg.max_batch_size or memory.default_max_batch_size(on_gpu, limit)
-        kv_bytes = cfg.kv_cache_bytes or memory.default_kv_cache_bytes(
-            on_gpu, limit - in_use, memory.step_workspace_bytes(model_cfg, max_batch, max_prefill_tokens))
+        workspace = memory.step_workspace_bytes(model_cfg, max_batch, max_prefill_tokens)
+        # kv_cache_bytes is per device, and device_memory() is the first device's: under tensor
+        # parallelism each holds its share of the weights and of the base pool (PoolLayout)
+        if cfg.kv_cache_bytes:
+            memory.check_kv_fits(cfg.kv_cache_bytes, limit, in_use, workspace)
+        kv_bytes = cfg.kv_cache_bytes or memory.default_kv_cache_bytes(on_gpu, limit - in_use, workspace)
         layout = PoolLayout.from_budget(
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, lora_rank=rank, page_size=cfg.page_size,

@@ -37,6 +37,18 @@ def describe_model(model):
                      f"model ({', '.join([*BUILTIN_CONFIGS, *PACKAGED])})")
 
 
+def tokenizer_source(model, tokenizer) -> tuple[str, str] | None:
+    """How another process builds `model`'s `tokenizer` without loading the model: ("byte",
+    ""), ("gguf", file) or ("dir", checkpoint dir); None where the model has none."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, ByteTokenizer):
+        return ("byte", "")
+    if isinstance(model, str) and model in PACKAGED:
+        return ("gguf", packaged_path(model))
+    return ("gguf" if is_gguf(model) else "dir", os.fspath(model))
+
+
 def load_model_and_adapters(model, adapters, cfg: EngineConfig, seed: int = 0):
     """-> (ModelConfig, CausalLM with empty LoRA slots, tokenizer | None, [LoraAdapter]); the
     tiny built-in models bring their demo adapters, packaged ones their trained agents, where

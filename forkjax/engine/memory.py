@@ -129,3 +129,19 @@ def default_kv_cache_bytes(on_gpu: bool, free_bytes: int, workspace_bytes: int) 
     if not on_gpu:
         return DEFAULT_CPU_KV_BYTES
     return max(int(free_bytes * MEMORY_UTILIZATION) - workspace_bytes, DEFAULT_CPU_KV_BYTES)
+
+
+def check_kv_fits(kv_bytes: int, limit: int, in_use: int, workspace: int) -> None:
+    """Refuse a KV budget of `kv_bytes` (per device) that the device's `limit` cannot hold beside
+    the `in_use` bytes (the weights) and the largest step's `workspace`: the pools would
+    allocate, and the first large step then fail with an out-of-memory error after retrying for
+    a minute. `limit` 0 (a CPU: the platform does not say) checks nothing."""
+    left = limit - in_use - workspace
+    if limit and kv_bytes > left:
+        raise ValueError(f"kv_cache_bytes={_gb(kv_bytes)} does not fit: the device has {_gb(limit)}, the "
+                         f"weights take {_gb(in_use)} and the largest step's workspace {_gb(workspace)}: "
+                         f"at most {_gb(max(left, 0))} is left for the KV cache (--kv-cache-bytes)")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"

@@ -30,7 +30,7 @@ from forkjax.engine.buckets import Buckets
 from forkjax.engine.compiler import COMPILER
 from forkjax.engine.input_batch import (batch_shape, build_inputs, dummy_inputs, processing_arrays,
                                         sampling_arrays)
-from forkjax.engine.sequence import MAX_LOGPROBS
+from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.engine.batch import ScheduledBatch
 from forkjax.engine.step_program import (HashOnce, copy_pages_program, process_and_sample, sample_padded,
                                          step_program)

@@ -1,12 +1,13 @@
 """The FastAPI app: routes, and the handlers that give every error the OpenAI shape.
 
 Every failure a request can cause is answered here as `{"error": {message, type, param, code}}`
-with a 4xx status; the last-resort handler (a 500) exists for server bugs only.
+with a 4xx status; 503 where the engine core is stopping or gone; the last-resort handler (a
+500) exists for server bugs only. The engine is reached through `CoreClient` alone.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import time
 
@@ -16,13 +17,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import forkjax
-from forkjax.engine.loading import read_adapters
-from forkjax.server import metrics
-from forkjax.server.engine_loop import EngineLoop
+from forkjax.server import messages as m
+from forkjax.server.core_client import CoreClient, CoreError, load_tokenizer
+from forkjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from forkjax.server.middleware import RequestGuard
 from forkjax.server.protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest)
+    ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest, shutting_down)
 from forkjax.server.serving import OpenAIServing
 from forkjax.server.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)
@@ -34,45 +35,50 @@ ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413)}
 GENERATION_RESPONSES = {**ERRORS, 503: {"model": ErrorResponse}, 200: {"content": {"text/event-stream": {}}}}
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
               408: "request_timeout", 413: "request_too_large"}
+STATUS = {"invalid": 400, "not_found": 404, "shutdown": 503, "error": 500}
 
 
-def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: str | None = None,
-               max_body_bytes: int = 8 << 20, body_timeout_s: float = 30.0,
-               max_lora_rank: int | None = None) -> FastAPI:
-    engine = loop.engine
-    stats = engine.stats()
-    pool_pages = min(n for n in (stats["base_pages_total"], stats["residual_pages_total"]) if n > 0)
-    serving = OpenAIServing(loop, model_name, engine.tokenizer, max_model_len=engine.max_model_len,
-                            pool_tokens=(pool_pages - 2) * engine.config.page_size,
-                            vocab_size=engine.model_cfg.vocab_size)
+def create_app(client: CoreClient, *, model_name: str, model_root: str, api_key: str | None = None,
+               max_body_bytes: int = 8 << 20, body_timeout_s: float = 30.0) -> FastAPI:
+    info = client.info
+    tokenizer = load_tokenizer(info.tokenizer)
+    serving = OpenAIServing(client, model_name, tokenizer)
+    metrics = ServerMetrics(model_name)
+    client.on_output = metrics.observe
     created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        await client.start()
+        yield
+        await client.stop()
+
     app = FastAPI(title="forkjax", summary="OpenAI-compatible multi-LoRA server; adapters are models",
-                  version=forkjax.__version__)
+                  version=forkjax.__version__, lifespan=lifespan)
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout_s=body_timeout_s)
-    _install_error_handlers(app)
+    _install_error_handlers(app, client)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if loop.alive else 503)
+        return Response(status_code=200 if client.dead is None else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> Response:
-        snap = await asyncio.wrap_future(loop.call(lambda: metrics.snapshot(loop)))
-        return Response(metrics.render(snap, model_name), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(await client.call(m.GetStats)), media_type=CONTENT_TYPE)
 
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={401: ERRORS[401]})
     async def flush_cache() -> PlainTextResponse:
         # SGLang's endpoint. Running requests keep their pages; everything else is freed.
-        freed = await asyncio.wrap_future(loop.call(engine.flush_cache))
+        freed = await client.call(m.FlushCache)
         log.info("flushed the KV cache: %d pages freed", freed)
         return PlainTextResponse(f"Cache flushed. {freed} KV pages freed.")
 
     def cards() -> list[ModelCard]:
-        ctx = engine.max_model_len
+        ctx = info.max_model_len
         out = [ModelCard(id=model_name, created=created, root=model_root, max_model_len=ctx)]
         return out + [ModelCard(id=name, created=created, root=src, parent=model_name,
-                                max_model_len=ctx) for name, src in sorted(loop.adapters.items())]
+                                max_model_len=ctx) for name, src in sorted(client.adapters.items())]
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> ModelList:
@@ -89,12 +95,12 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
         serving.adapter_for(body.model)
-        return tokenize(engine.tokenizer, body, engine.max_model_len)
+        return tokenize(tokenizer, body, info.max_model_len)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.adapter_for(body.model)
-        return detokenize(engine.tokenizer, body, engine.model_cfg.vocab_size)
+        return detokenize(tokenizer, body, info.vocab_size)
 
     @app.get("/version")
     async def version() -> dict:
@@ -113,26 +119,17 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         name = body.lora_name
         if name == model_name:
             raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
-        if name in loop.adapters and not body.load_inplace:
+        if name in client.adapters and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded "
                                 "(set load_inplace to replace it).", param="lora_name")
-        try:  # parsing and checking the files needs no engine: off the engine thread
-            adapter, = await asyncio.to_thread(read_adapters, {name: body.lora_path}, engine.model_cfg)
-        except Exception as e:  # whatever is wrong with the files, it came with the request
-            why = str(e).removeprefix(f"adapter {name!r}: ")  # the loader's messages name it too
-            raise APIError(400, f"cannot load adapter '{name}': {why}", param="lora_path") from None
-        if max_lora_rank is not None and adapter.rank > max_lora_rank:
-            raise APIError(400, f"adapter '{name}' has rank {adapter.rank} > the server's max LoRA "
-                                f"rank {max_lora_rank} (--max-lora-rank)", param="lora_path")
-
-        def install():
-            if name in engine.slots.by_name and not body.load_inplace:
-                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-            engine.load_adapter(name, adapter, pinned=body.pinned)
-        try:
-            await asyncio.wrap_future(loop.after_drain(name, install))
-        except ValueError as e:
-            raise APIError(400, str(e), param="lora_name") from None
+        try:  # the core reads the files off its step loop and installs once the name is idle
+            await client.call(m.LoadAdapter, name=name, path=body.lora_path, pinned=body.pinned,
+                              replace=body.load_inplace)
+        except CoreError as e:
+            if e.kind != "invalid":
+                raise
+            param = "lora_name" if "already been loaded" in str(e) else "lora_path"
+            raise APIError(400, str(e), param=param) from None
         log.info("loaded LoRA adapter %r from %s", name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -141,11 +138,13 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
         name = body.lora_name
         missing = APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="model_not_found")
-        if name not in loop.adapters:
+        if name not in client.adapters:
             raise missing
         try:
-            await asyncio.wrap_future(loop.after_drain(name, lambda: engine.unload_adapter(name)))
-        except KeyError:
+            await client.call(m.UnloadAdapter, name=name)
+        except CoreError as e:
+            if e.kind != "not_found":
+                raise
             raise missing from None
         log.info("unloaded LoRA adapter %r", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -153,10 +152,20 @@ def create_app(loop: EngineLoop, *, model_name: str, model_root: str, api_key: s
     return app
 
 
-def _install_error_handlers(app: FastAPI):
+def _install_error_handlers(app: FastAPI, client: CoreClient):
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(CoreError)
+    async def core_error(_, e: CoreError):
+        if e.kind == "shutdown":
+            error = (shutting_down() if client.dead is None else
+                     APIError(503, client.dead, type="server_error", code="engine_unavailable"))
+        else:
+            error = APIError(STATUS[e.kind], str(e), type="server_error" if e.kind == "error"
+                             else "invalid_request_error")
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, e: RequestValidationError):

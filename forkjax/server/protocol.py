@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from forkjax.engine.sequence import MAX_LOGPROBS
+from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                        MAX_STOP, MAX_STOP_CHARS, OpenAIRequest, StrictBody)
 class ErrorInfo(BaseModel):

@@ -1,4 +1,4 @@
-"""/v1/completions and /v1/chat/completions over the engine loop.
+"""/v1/completions and /v1/chat/completions over the engine-core process.
 
 One HTTP request becomes prompts x n engine sequences (its choices), queued atomically: this
 module checks the request against the model (adapter, context, fan-out), builds the choices'
@@ -8,7 +8,6 @@ outputs to the client, whole or as server-sent events.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 import uuid
@@ -16,15 +15,15 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from forkjax.engine.sequence import SamplingParams
+from forkjax.sampling_params import SamplingParams
+from forkjax.server import messages as m
 from forkjax.server.chat_template import chat_prompt_ids
-from forkjax.server.engine_loop import EngineLoop, RequestHandle, ShuttingDown
+from forkjax.server.core_client import CoreClient, CoreError
 from forkjax.server.protocol import (
     APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-    UsageInfo, shutting_down)
-from forkjax.server.logprobs import (chat_logprobs, completion_logprobs, echoed, score_entries,
-                                     vllm_prompt_logprobs)
+    UsageInfo)
+from forkjax.server.logprobs import chat_logprobs, completion_logprobs, echoed, vllm_prompt_logprobs
 from forkjax.server.streaming import Generation, PromptOnly, gather, sse, unless_disconnected
 from forkjax.server.validation import MAX_CHOICES
 
@@ -40,10 +39,11 @@ def _unknown_fanout(name: str) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, loop: EngineLoop, model_name: str, tokenizer, *, max_model_len: int,
-                 pool_tokens: int, vocab_size: int):
-        self.loop, self.model_name, self.tokenizer = loop, model_name, tokenizer
-        self.max_model_len, self.pool_tokens, self.vocab_size = max_model_len, pool_tokens, vocab_size
+    def __init__(self, client: CoreClient, model_name: str, tokenizer):
+        self.client, self.model_name, self.tokenizer = client, model_name, tokenizer
+        info = client.info
+        self.max_model_len, self.pool_tokens, self.vocab_size = (info.max_model_len, info.pool_tokens,
+                                                                 info.vocab_size)
 
     # ---- shared ---------------------------------------------------------------------------
 
@@ -51,19 +51,19 @@ class OpenAIServing:
         """`model` -> adapter name (None: the base model), or 404 as OpenAI answers."""
         if model is None or model == self.model_name:
             return None
-        if model not in self.loop.adapters:
+        if model not in self.client.adapters:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
 
     def check_fanout(self, names: list[str] | None):
         """`fanout_adapters` before anything is queued: 400 off forkkv, 404 for a name that is
         no adapter (the base model has no residual to write)."""
-        if names and self.loop.engine.config.cache_policy != "forkkv":
+        policy = self.client.info.cache_policy
+        if names and policy != "forkkv":
             raise APIError(400, "fanout_adapters needs the forkkv cache policy; this server runs "
-                                f"{self.loop.engine.config.cache_policy!r} (--cache-policy)",
-                           param="fanout_adapters")
+                                f"{policy!r} (--cache-policy)", param="fanout_adapters")
         for name in names or ():
-            if name not in self.loop.adapters:
+            if name not in self.client.adapters:
                 raise _unknown_fanout(name)
 
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
@@ -93,7 +93,9 @@ class OpenAIServing:
                 temperature=float(1.0 if req.temperature is None else req.temperature),
                 top_p=float(1.0 if req.top_p is None else req.top_p),
                 top_k=min(top_k, self.vocab_size), seed=seed & 0xFFFFFFFF,
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                # an id outside the vocabulary is never sampled: it cannot stop anything
+                stop_token_ids=tuple(t for t in req.stop_token_ids or () if 0 <= t < self.vocab_size),
+                ignore_eos=req.ignore_eos,
                 presence_penalty=float(req.presence_penalty or 0),
                 frequency_penalty=float(req.frequency_penalty or 0),
                 repetition_penalty=float(req.repetition_penalty or 1), min_tokens=req.min_tokens,
@@ -119,30 +121,26 @@ class OpenAIServing:
                     max_tokens: list[int]) -> Generation:
         fanout = req.fanout_adapters
         self.check_fanout(fanout)
-        aio, queue = asyncio.get_running_loop(), asyncio.Queue()
-        sink = lambda out: aio.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731
-        handles = [RequestHandle(i * req.n + j, ids, adapter, self.sampling(req, budget, j), sink,
-                                 session_id=req.session_id, session_end=req.session_end,
-                                 session_tokens=req.session_tokens,
-                                 session_next_s=req.session_next_s, cache_salt=req.cache_salt,
-                                 fanout_adapters=fanout)
-                   for i, (ids, budget) in enumerate(zip(prompts, max_tokens)) for j in range(req.n)]
-        gen = Generation(self.loop, handles, queue, self.tokenizer, req.stop_strings,
-                         req.include_stop_str_in_output)
+        choices = [m.Choice(ids, self.sampling(req, budget, j))
+                   for ids, budget in zip(prompts, max_tokens) for j in range(req.n)]
         try:
-            await asyncio.wrap_future(self.loop.add(handles))
-        except ShuttingDown:
-            raise shutting_down() from None
-        except KeyError:  # unloaded between our checks and the engine's
-            if not fanout or (adapter is not None and adapter not in self.loop.adapters):
-                raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
-                               code="model_not_found") from None
-            gone = [n for n in fanout if n not in self.loop.adapters]
-            raise _unknown_fanout((gone or fanout)[0]) from None
-        except ValueError as e:
-            param = "prompt" if isinstance(req, CompletionRequest) else "messages"
-            raise APIError(400, str(e), param=param) from None
-        return gen
+            rid, stream = await self.client.submit(
+                choices, adapter=adapter, session_id=req.session_id, session_end=req.session_end,
+                session_tokens=req.session_tokens, session_next_s=req.session_next_s,
+                cache_salt=req.cache_salt, fanout_adapters=fanout)
+        except CoreError as e:
+            if e.kind == "not_found":  # unloaded between our checks and the engine's
+                if not fanout or (adapter is not None and adapter not in self.client.adapters):
+                    raise APIError(404, f"The model `{req.model}` does not exist.", param="model",
+                                   code="model_not_found") from None
+                gone = [n for n in fanout if n not in self.client.adapters]
+                raise _unknown_fanout((gone or fanout)[0]) from None
+            if e.kind == "invalid":
+                param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+                raise APIError(400, str(e), param=param) from None
+            raise
+        return Generation(self.client, rid, stream, self.tokenizer, req.stop_strings,
+                          req.include_stop_str_in_output)
 
     # ---- /v1/completions ------------------------------------------------------------------
 
@@ -170,18 +168,19 @@ class OpenAIServing:
 
     async def score_prompts(self, req: CompletionRequest, adapter, prompts) -> list | None:
         """Per prompt, its tokens' logprob entries (logprobs.score_entries), when echo or
-        prompt_logprobs asks for them: an `Engine.score` call on the engine thread."""
+        prompt_logprobs asks for them: computed by the engine core through its cache."""
         k = req.scores_prompt
         if k is None:
             return None
         out = []
         for p in prompts:
             try:
-                logits = await asyncio.wrap_future(self.loop.call(
-                    lambda p=p: self.loop.engine.score(p, adapter, cache_salt=req.cache_salt)))
-            except ValueError as e:
+                out.append(await self.client.call(m.Score, prompt=p, k=k, adapter=adapter,
+                                                  cache_salt=req.cache_salt))
+            except CoreError as e:
+                if e.kind != "invalid":
+                    raise
                 raise APIError(400, str(e), param="prompt") from None
-            out.append(await asyncio.to_thread(score_entries, logits, p, k))
         return out
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -216,8 +215,8 @@ class OpenAIServing:
 
         if req.stream:
             async def chunks():
-                n, offsets = 0, [0] * len(gen.handles)
-                for i in range(len(gen.handles) if echo or scores else 0):
+                n, offsets = 0, [0] * gen.choices
+                for i in range(gen.choices if echo or scores else 0):
                     first = head(i)
                     lp = first.logprobs
                     offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp else len(first.text)
@@ -277,7 +276,7 @@ class OpenAIServing:
                 return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
             async def chunks():
-                for i in range(len(gen.handles)):
+                for i in range(gen.choices):
                     first = ChatResponseMessage(role="assistant", content="")
                     yield chunk([ChatStreamChoice(index=i, delta=first)])
                 n = 0

@@ -19,8 +19,9 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from forkjax.server.core_client import CoreClient, RequestStream
 from forkjax.server.detokenizer import IncrementalDetokenizer
-from forkjax.server.engine_loop import EngineLoop, RequestHandle
+from forkjax.server.messages import Output
 from forkjax.server.protocol import APIError, shutting_down
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -39,13 +40,13 @@ class Event:
 
 
 class Generation:
-    """The running choices of one HTTP request."""
+    """The running choices of one HTTP request (request `rid` of `client`)."""
 
-    def __init__(self, loop: EngineLoop, handles: list[RequestHandle], queue: asyncio.Queue,
-                 tokenizer, stop: list[str], include_stop: bool = False):
-        self.loop, self.handles, self.queue = loop, handles, queue
-        self.detok = [IncrementalDetokenizer(tokenizer, stop, include_stop) for _ in handles]
-        self.open = set(range(len(handles)))
+    def __init__(self, client: CoreClient, rid: int, stream: RequestStream, tokenizer,
+                 stop: list[str], include_stop: bool = False):
+        self.client, self.rid, self.queue, self.choices = client, rid, stream.queue, stream.choices
+        self.detok = [IncrementalDetokenizer(tokenizer, stop, include_stop) for _ in range(self.choices)]
+        self.open = set(range(self.choices))
 
     async def events(self) -> AsyncIterator[Event]:
         """The choices' new outputs until every choice ends."""
@@ -57,13 +58,13 @@ class Generation:
             if out.finish_reason == "shutdown":
                 raise shutting_down()
             if out.finish_reason in ("error", "abort"):
-                raise _engine_error(out.error)
+                raise _engine_error(out)
             d = self.detok[i]
             text = d.add(out.token_ids, final=out.finish_reason is not None)
             reason = out.finish_reason
             if d.stopped and reason is None:
                 reason = "stop"
-                self.loop.abort([self.handles[i]], stop=True)
+                self.client.abort(self.rid, [i], stop=True)
             if reason is not None:
                 self.open.discard(i)
             yield Event(i, text, out.token_ids, reason, out.logprobs)
@@ -71,7 +72,7 @@ class Generation:
     def close(self):
         """Abort the choices still running (the client left, or the request failed)."""
         if self.open:
-            self.loop.abort([self.handles[i] for i in self.open])
+            self.client.abort(self.rid, sorted(self.open))
             self.open.clear()
 
 
@@ -80,25 +81,27 @@ class PromptOnly:
     each choice ends at once."""
 
     def __init__(self, choices: int):
-        self.handles = [None] * choices
+        self.choices = choices
 
     async def events(self) -> AsyncIterator[Event]:
-        for i in range(len(self.handles)):
+        for i in range(self.choices):
             yield Event(i, "", [], "length", [])
 
     def close(self):
         pass
 
 
-def _engine_error(error: Exception | None) -> APIError:
-    if isinstance(error, ValueError):  # e.g. the request stopped fitting the KV cache
-        return APIError(400, str(error))
-    return APIError(500, f"the engine failed while serving this request: {error!r}", type="server_error")
+def _engine_error(out: Output) -> APIError:
+    if out.kind == "invalid":  # e.g. the request stopped fitting the KV cache
+        return APIError(400, out.error)
+    if out.kind == "shutdown":  # the engine core died
+        return APIError(503, out.error, type="server_error", code="engine_unavailable")
+    return APIError(500, f"the engine failed while serving this request: {out.error}", type="server_error")
 
 
 async def gather(gen: Generation) -> list[Event]:
     """Run a non-streaming request to the end -> per choice, all of its outputs as one Event."""
-    out = [Event(i, "", [], None, []) for i in range(len(gen.handles))]
+    out = [Event(i, "", [], None, []) for i in range(gen.choices)]
     async for e in gen.events():
         c = out[e.index]
         c.text += e.text
