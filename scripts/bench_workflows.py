@@ -78,6 +78,19 @@ before its runs, in a budget that evicts nothing: the cache flushed, ONE workflo
 shape (no tool latency) runs alone, and the bytes both pools hold at its end are divided by its
 agents.
 
+--http measures what a user of the server gets: each workflow count runs against a `python -m
+forkjax.serve` process of its own (forkjax/workflows/local_server.py; its log in
+DIR/server-logs/), serving the agents as PEFT directories (`--lora`) with the flags that build
+the in-process engine (workflow_engines.server_flags) and `--warmup full`, driven by the openai
+client in this process (forkjax/workflows/http_driver.py), which starts no JAX backend (a child
+process tells the device for the defaults). A run's counters are differences of the server's
+/metrics around it and a fresh cache is POST /flush_cache; the decode batch mean and the
+workflows' peak run from the server's start, which nothing resets, hence a server per count.
+`per_agent_kv_bytes` is measured on the first count's server, after its run, as above.
+`server_start_s` is launch to ready (weights and warm-up, the server's compilation cache
+included); `build_s`, `compile_s` and `compile_breakdown` are null (in-process runs: null
+`server_start_s`). Not with --replay, --step-log, --compile-workers nor --distinct-agents.
+
 Output: a single run writes DIR/results.json; several (a sweep, or policies) write
 DIR/<policy>-<N>/results.json each (`forkkv+fanout` as `forkkv-fanout`), DIR/summary.csv, DIR/throughput.png (Fig. 11 style) and
 DIR/breakdown.png (Fig. 14 style), all rewritten after every run.
@@ -86,10 +99,10 @@ DIR/breakdown.png (Fig. 14 style), all rewritten after every run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -97,13 +110,15 @@ import jax
 from forkjax.config import ModelConfig
 from forkjax.engine import memory
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.sizes import size_flag
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows, workflow_source)
+from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.runners import InProcess, OverHttp
 from forkjax.workflows.report import summary_line, write_json, write_summary
 from provenance import run_info  # scripts/ is on sys.path when this script runs
-from workflow_engines import build_engine, build_replay
+from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
 
 POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
 GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
@@ -138,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of the KV budget for the residual pool (engine default)")
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"))
-    p.add_argument("--kv-cache-bytes", type=float, default=None,
+    p.add_argument("--kv-cache-bytes", type=size_flag, default=None,
                    help="KV budget in bytes (16e9 on a GPU and with --replay, 64 MiB on a CPU)")
-    p.add_argument("--host-kv-bytes", type=float, default=0,
+    p.add_argument("--host-kv-bytes", type=size_flag, default=0,
                    help="host memory for KV pages evicted from the device (the host tier; 0: off)")
     p.add_argument("--profile", default="fixed", choices=("fixed", *PROFILES),
                    help="lengths: fixed (the flags below) or a dataset's (forkjax/workflows/profiles.py)")
@@ -172,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads compiling the warm-up's shapes (default: the host's cores)")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily (tests; compile_s then "
                    "excludes most compiles)")
-    p.add_argument("--http", action="store_true", help="drive a local `forkjax.serve` app over HTTP "
-                   "with the openai client instead of the engine API")
+    p.add_argument("--http", action="store_true", help="drive a `python -m forkjax.serve` process over "
+                   "HTTP with the openai client instead of the engine API")
     p.add_argument("--step-log", action="store_true", help="results.json gets `steps`: every step's kind, "
                    "requests, tokens computed and attended, and device seconds (EngineStats.step_log)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workflows' lengths and tokens")
@@ -181,9 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args) -> tuple[list[str], list[int]]:
-    """Validate flags (ValueError naming the flag) and fill defaults -> (policies, counts);
-    `args.totals` becomes {N: M}."""
+def check_args(args) -> tuple[list[str], list[int], dict | None]:
+    """Validate flags (ValueError naming the flag) and fill defaults -> (policies, counts, the
+    server's device with --http: local_server.probe_device); `args.totals` becomes {N: M}."""
     policies = [s.strip() for s in args.policy.split(",")]
     bad = [s for s in policies if s not in POLICIES]
     if bad or len(set(policies)) != len(policies):
@@ -209,10 +224,10 @@ def check_args(args) -> tuple[list[str], list[int]]:
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
     if args.replay and args.tensor_parallel_size != 1:
         raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
-    if args.host_kv_bytes < 0:
-        raise ValueError(f"--host-kv-bytes={args.host_kv_bytes:g}: expected bytes >= 0")
-    args.host_kv_bytes = int(args.host_kv_bytes)
-    memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
+    if args.http and args.compile_workers is not None:
+        raise ValueError("--compile-workers: the server compiles on its own threads; not with --http")
+    if args.distinct_agents and args.http:
+        raise ValueError("--distinct-agents: in process only, not with --http")
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
         raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
     if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
@@ -224,22 +239,26 @@ def check_args(args) -> tuple[list[str], list[int]]:
                          f"{args.profile} draws its own")
     for k, v in FIXED_DEFAULTS.items():
         setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+    device = None
+    if args.http:  # the server owns the device: this process starts no JAX backend
+        from forkjax.workflows.local_server import probe_device  # the serve extra: httpx
+        device = probe_device()
+    else:
+        memory.reserve_pinned_host(args.host_kv_bytes)  # before jax starts its GPU client, below
+    on_gpu = args.replay or (device["backend"] if device else jax.default_backend()) == "gpu"
     if args.kv_cache_bytes is None:
-        args.kv_cache_bytes = GPU_KV_BYTES if args.replay or jax.default_backend() == "gpu" else CPU_KV_BYTES
-    if args.max_batch_size is None and (args.replay or jax.default_backend() == "gpu"):
+        args.kv_cache_bytes = GPU_KV_BYTES if on_gpu else CPU_KV_BYTES
+    if args.max_batch_size is None and on_gpu:
         args.max_batch_size = GPU_MAX_BATCH
-    args.kv_cache_bytes = int(args.kv_cache_bytes)
     if args.kv_cache_bytes < 1:
         raise ValueError(f"--kv-cache-bytes={args.kv_cache_bytes}: expected > 0")
-    if args.distinct_agents and args.http:
-        raise ValueError("--distinct-agents: not with --http (the HTTP server loads its own adapters)")
     if args.max_loras is not None and args.max_loras < 1:
         raise ValueError(f"--max-loras={args.max_loras}: expected >= 1")
     args.agents_per_workflow = len(agent_names(args.pattern, agents=args.agents, mappers=args.mappers))
     args.groups = max(counts) if args.distinct_agents else 0
     if args.distinct_agents and args.max_loras is None:
         args.max_loras = min(8, args.groups * args.agents_per_workflow + 1)
-    return policies, counts
+    return policies, counts, device
 
 
 def total_of(total: str | None, n: int) -> int:
@@ -278,8 +297,10 @@ def per_agent_kv(runner, args, policy: str, names: list[str], profile, tokens) -
     return (one["base_bytes_used"] + one["residual_bytes_used"]) / args.agents_per_workflow
 
 
-def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
-    """One timed run of `n` slots over `args.totals[n]` workflows."""
+def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: int,
+              max_batch_size: int) -> dict:
+    """One timed run of `n` slots over `args.totals[n]` workflows on an engine of `page_size`
+    and `max_batch_size` (as it resolved them)."""
     shape = workflow_shape(args)
     total = args.totals[n]
     runner.fresh()
@@ -291,14 +312,13 @@ def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
     result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
     steps = {"steps": runner.engine.metrics.record_steps(False)} if args.step_log else {}
-    cache = runner.engine.cache
-    minimal = prefill_tokens_minimal(result.records, cache.policy.name, cache.page_size,
+    minimal = prefill_tokens_minimal(result.records, policy.removesuffix("+fanout"), page_size,
                                      fanout=policy == "forkkv+fanout")
     prompt = stats["prompt_tokens"]
     computed = stats.get("prefill_tokens_computed")
     return {**result.summary(), "policy": policy, "workflows": n, "total": total, "wall_s": wall_s,
             "session_hints": args.session_hints,
-            "max_batch_size": runner.engine.scheduler.max_batch_size,
+            "max_batch_size": max_batch_size,
             "base_hit_rate": stats["base_hit_tokens"] / prompt,
             "residual_hit_rate": stats["residual_hit_tokens"] / prompt,
             "prefill_tokens_minimal": minimal,
@@ -312,7 +332,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    policies, counts = check_args(args)
+    policies, counts, device = check_args(args)
     fixed = {k: getattr(args, k) for k in FIXED_DEFAULTS} if args.profile == "fixed" else {}
     profile = get_profile(args.profile, **fixed)
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
@@ -325,7 +345,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"the longest request ({longest} tokens) exceeds {args.model}'s context of "
                          f"{cfg.max_position_embeddings}")
     meta = {**{k: v for k, v in vars(args).items() if k != "totals"},
-            "max_model_len": max_model_len, **run_info(__file__, argv)}
+            "max_model_len": max_model_len, **run_info(__file__, argv, device)}
     single = len(policies) == 1 and len(counts) == 1
     shown = ("context", "gen", "obs") if args.pattern == "react" else ("context", "gen")
     lengths = ", ".join(f"{k} {fixed[k]}" for k in shown) if fixed else f"{args.profile} lengths"
@@ -333,41 +353,57 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"{f' x {args.groups} groups' if args.groups else ''}, {lengths}")
     rows = []
     for policy in policies:
-        if args.replay:
-            engine, build = build_replay(args, policy, names, max_model_len)
-        else:
-            engine, build = build_engine(args, policy, names, cfg, max_model_len)
-        fanout = policy == "forkkv+fanout"
-        with _serving(engine, args) as server:
-            if args.http:
-                runner = OverHttp(server, fanout, args.session_hints)
-            elif args.replay:
-                runner = InProcess(engine, fanout, args.session_hints, clock=engine.clock,
-                                   sleep=engine.sleep)
-            else:
-                runner = InProcess(engine, fanout, args.session_hints)
-            kv = per_agent_kv(runner, args, policy, names, profile, tokens)  # the same at every n
-            for n in counts:
-                row = {**meta, **run_point(runner, args, policy, n, profile, tokens),
-                       "per_agent_kv_bytes": kv, **build}
-                rows.append(row)
-                run_dir = f"{policy.replace('+', '-')}-{n}"  # names a device's file transfer keeps
-                write_json(os.path.join(args.out, "results.json" if single else f"{run_dir}/results.json"),
-                           row)
-                if not single:
-                    write_summary(args.out, rows, title)
-                print(summary_line(row), flush=True)
-        del engine, runner, server
+        runs = over_http if args.http else in_process
+        for point in runs(args, policy, counts, names, cfg, max_model_len, profile, tokens, device):
+            row = {**meta, **point}
+            rows.append(row)
+            run_dir = f"{policy.replace('+', '-')}-{row['workflows']}"  # names a device's file transfer keeps
+            write_json(os.path.join(args.out, "results.json" if single else f"{run_dir}/results.json"), row)
+            if not single:
+                write_summary(args.out, rows, title)
+            print(summary_line(row), flush=True)
         gc.collect()  # the next policy's pools need this one's memory
     return rows
 
 
-def _serving(engine, args):
-    """With --http: the engine behind a loopback HTTP server for the run; else nothing."""
-    if not args.http:
-        return contextlib.nullcontext()
-    from forkjax.workflows.local_server import LocalServer  # the serve extra: fastapi, uvicorn
-    return LocalServer(engine, args.model)
+def in_process(args, policy: str, counts, names, cfg, max_model_len, profile, tokens, device=None):
+    """Yield each count's point of `policy` on one engine (or replay), reused for every count:
+    flushed and its counters reset before each run; the KV per agent measured first."""
+    if args.replay:
+        engine, build = build_replay(args, policy, names, max_model_len)
+        runner = InProcess(engine, policy == "forkkv+fanout", args.session_hints, clock=engine.clock,
+                           sleep=engine.sleep)
+    else:
+        engine, build = build_engine(args, policy, names, cfg, max_model_len)
+        runner = InProcess(engine, policy == "forkkv+fanout", args.session_hints)
+    kv = per_agent_kv(runner, args, policy, names, profile, tokens)  # the same at every n
+    for n in counts:
+        point = run_point(runner, args, policy, n, profile, tokens, page_size=engine.cache.page_size,
+                          max_batch_size=engine.scheduler.max_batch_size)
+        yield {**point, "per_agent_kv_bytes": kv, **build, "server_start_s": None}
+
+
+def over_http(args, policy: str, counts, names, cfg, max_model_len, profile, tokens, device):
+    """Yield each count's point of `policy` on a `python -m forkjax.serve` process of its own
+    serving the agents as PEFT directories: the server's decode batch mean and workflows peak run
+    from its start, so each count gets a fresh one. The KV per agent is measured on the first,
+    after its run."""
+    from forkjax.workflows.local_server import ServerProcess, lora_flags  # the serve extra: httpx
+    adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
+    kv = None
+    with tempfile.TemporaryDirectory(prefix="forkjax-agents-") as root:
+        flags = [*server_flags(args, policy, names, max_model_len), *lora_flags(adapters, root)]
+        for n in counts:
+            log = os.path.join(args.out, "server-logs", f"{policy.replace('+', '-')}-{n}.log")
+            with ServerProcess(args.model, flags, log_path=log) as server:
+                print(f"{policy}: server ready in {server.start_s:.1f} s ({log})", flush=True)
+                runner = OverHttp(server, policy == "forkkv+fanout", args.session_hints)
+                point = run_point(runner, args, policy, n, profile, tokens, page_size=PAGE_SIZE,
+                                  max_batch_size=args.max_batch_size or device["max_batch_size"])
+                if kv is None:
+                    kv = per_agent_kv(runner, args, policy, names, profile, tokens)
+            yield {**point, "per_agent_kv_bytes": kv, "build_s": None, "compile_s": None,
+                   "compile_breakdown": None, "server_start_s": server.start_s}
 
 
 if __name__ == "__main__":

@@ -37,12 +37,15 @@ def _version(package: str) -> str | None:
         return None
 
 
-def run_info(script: str, argv: list[str] | None = None) -> dict:
+def run_info(script: str, argv: list[str] | None = None, device: dict | None = None) -> dict:
     """{date, device_kind, backend, jax_version, jaxlib_version, flax_version, git_commit,
     command} of this process: `script` the benchmark's __file__, `argv` its arguments (default:
-    sys.argv[1:])."""
+    sys.argv[1:]); `device`: {device_kind, backend} when another process runs the model (a
+    server), which this one then asks nothing (asking would start a JAX backend here)."""
+    if device is None:
+        device = dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend())
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                device_kind=device["device_kind"], backend=device["backend"],
                 jax_version=jax.__version__, jaxlib_version=_version("jaxlib"), flax_version=_version("flax"),
                 git_commit=git_commit(),
                 command=shlex.join([f"scripts/{os.path.basename(script)}",

@@ -1,19 +1,23 @@
 """The engines scripts/bench_workflows.py runs a policy on: a real one, its warm-up's compile
 times recorded, or the model-free replay (forkjax/workflows/replay.py), both sized for the run's
-agents.
+agents; with --http the `python -m forkjax.serve` flags that build the same real engine in a
+server (`server_flags`).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import jax
 
 import forkjax
 from forkjax.config import ModelConfig
-from forkjax.workflows.agents import agent_adapters
+from forkjax.workflows.agents import ATTENTION, agent_adapters
 
 WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
+# The in-process engines take Engine.from_pretrained's default page size; a server is told it.
+PAGE_SIZE = inspect.signature(forkjax.Engine.from_pretrained).parameters["page_size"].default
 
 
 class CompileTimes:
@@ -55,6 +59,27 @@ def build_engine(args, policy: str, names: list[str], cfg: ModelConfig, max_mode
         compile_workers=args.compile_workers)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s,
                         compile_breakdown=COMPILE_TIMES.since(before))
+
+
+def server_flags(args, policy: str, names: list[str], max_model_len: int) -> list[str]:
+    """The `python -m forkjax.serve` flags (less --model, --lora and the address) that build the
+    engine `build_engine` builds, keyword for keyword; the warm-up compiles every shape before
+    the server says it is ready (--warmup full)."""
+    flags = ["--cache-policy", "forkkv" if policy == "forkkv+fanout" else policy, "--dtype", args.dtype,
+             "--kv-cache-bytes", str(args.kv_cache_bytes), "--max-loras", str(args.max_loras or len(names) + 1),
+             "--lora-path", args.lora_path, "--tensor-parallel-size", str(args.tensor_parallel_size),
+             "--schedule-policy", args.schedule_policy, "--max-model-len", str(max_model_len),
+             "--max-prefill-tokens", str(args.max_prefill_tokens), "--host-kv-bytes", str(args.host_kv_bytes),
+             "--lora-target-modules", *ATTENTION, "--page-size", str(PAGE_SIZE),
+             "--warmup", "none" if args.no_warmup else "full"]
+    if args.max_batch_size is not None:
+        flags += ["--max-batch-size", str(args.max_batch_size)]
+    if policy == "forkkv+fanout":
+        flags.append("--residual-fanout")
+    for key, value in residual_sizing(args, policy).items():
+        if value is not None:
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
 
 
 def residual_sizing(args, policy: str) -> dict:

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from forkjax.config import ModelConfig
-from forkjax.lora.peft import load_peft_adapter
+from forkjax.lora.peft import load_peft_adapter, save_peft_adapter
 
 
 def _copy(src, dst, cfg_edit=None, tensor_edit=None):
@@ -108,3 +108,24 @@ def test_missing_corrupt_and_malformed_dirs(llama, tmp_path):
         f.write("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_peft_adapter("a", bad_json, cfg)
+
+
+def test_saved_adapters_load_back(tmp_path):
+    """save_peft_adapter writes what load_peft_adapter reads: the benchmark agents (alpha = 2 ·
+    rank, a power-of-two scaling; lrshared's share one A) bitwise, another scaling to a rounding."""
+    from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+    from forkjax.workflows.agents import agent_adapters
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+    agents = agent_adapters(cfg, ["planner", "coder"], 4, shared_a=True)
+    for name, a in agents.items():
+        back = load_peft_adapter(name, save_peft_adapter(a, str(tmp_path / name)), cfg)
+        assert (back.rank, back.scaling, back.targets) == (a.rank, a.scaling, a.targets)
+        assert back.weights.keys() == a.weights.keys() and back.content_hash == a.content_hash
+        for k, (wa, wb) in a.weights.items():
+            assert np.array_equal(back.weights[k][0], wa) and np.array_equal(back.weights[k][1], wb)
+    odd = random_adapter("odd", cfg, 3, alpha=7, targets=("q_proj", "down_proj"), seed=1)
+    back = load_peft_adapter("odd", save_peft_adapter(odd, str(tmp_path / "odd")), cfg)
+    assert back.scaling == pytest.approx(7 / 3) and back.targets == {"q_proj", "down_proj"}
+    for k, (wa, wb) in odd.weights.items():
+        np.testing.assert_allclose(back.weights[k][1], wb, rtol=1e-6)
+        assert np.array_equal(back.weights[k][0], wa)

@@ -248,7 +248,7 @@ def forkkv_engine():
 
 
 def _recording(engine, monkeypatch) -> list[dict]:
-    """Record the keywords of every engine.add_request call (a server's engine thread's too)."""
+    """Record the keywords of every engine.add_request call."""
     calls, add = [], engine.add_request
 
     def add_request(prompt, adapter, params, **kw):
@@ -317,9 +317,11 @@ def test_driver_refills_slots_and_ends_sessions(forkkv_engine, monkeypatch):
     _check_sessions(calls, make, hints=False)
 
 
-def test_http_driver_sends_the_session_fields(forkkv_engine, monkeypatch):
-    from forkjax.workflows.http_driver import request_body, run_http
-    from forkjax.workflows.local_server import LocalServer
+def test_http_driver_sends_the_session_fields(tmp_path, monkeypatch):
+    from forkjax.workflows import http_driver
+    from forkjax.workflows.agents import agent_adapters
+    from forkjax.workflows.http_driver import request_body, run_http, scrape
+    from forkjax.workflows.local_server import ServerProcess, lora_flags
     prof = fixed_profile(24, 3, 5, 2)
     for hints in (True, False):
         w = make_workflows("react", 1, prof, TOKENS, rounds=1)[0]
@@ -335,12 +337,30 @@ def test_http_driver_sends_the_session_fields(forkkv_engine, monkeypatch):
             extra = body["extra_body"]
             assert extra["session_id"] == "wf0" and extra.get("session_end", False) == (i == len(bodies) - 1)
             assert extra.get("session_tokens") == (w.final_tokens if hints else None)
-    calls = _recording(forkkv_engine, monkeypatch)
+    calls = []  # what the client sends (the server's own tests check what it does with it)
+
+    def recording(loop, call, fanout):
+        body = request_body(loop, call, fanout)
+        extra = body["extra_body"]
+        calls.append({"prompt": body["prompt"], "max_tokens": body["max_tokens"], "session_id": extra["session_id"],
+                      "session_end": extra.get("session_end", False), "session_tokens": extra.get("session_tokens")})
+        return body
+    monkeypatch.setattr(http_driver, "request_body", recording)
+    # The smoke runs' forkkv engine, served by `python -m forkjax.serve` with the agents as PEFT dirs
+    bench = bench_workflows()
+    args = bench.build_parser().parse_args(SMOKE)
+    bench.check_args(args)
+    names = agent_names("react")
+    flags = [*bench.server_flags(args, "forkkv", names, 1024),
+             *lora_flags(agent_adapters(TINY, names, args.rank, shared_a=False), str(tmp_path / "agents"))]
     source = workflow_source("react", 2, 3, prof, TOKENS, rounds=2)
-    with LocalServer(forkkv_engine, "tiny-llama") as server:
+    with ServerProcess("tiny-llama", flags, log_path=str(tmp_path / "server.log")) as server:
         result = asyncio.run(run_http(server.url, source, progress=False))
+        metrics = asyncio.run(scrape(server.url))
     _check_slots(result, 2, 3)
     _check_sessions(calls, lambda i: make_workflows("react", i + 1, prof, TOKENS, rounds=2)[i])
+    assert metrics["prompt_tokens_total"] == sum(len(c["prompt"]) for c in calls) and len(calls) == 3 * 6
+    assert metrics["sessions_open"] == 0  # every workflow's last call ended its session
 
 
 # ---- the benchmark script -----------------------------------------------------------------------
@@ -426,11 +446,12 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--sweep", "2,4", "--total", "3"], "--total"),
                         (["--total", "many"], "--total"),
                         (["--replay", "--http"], "--replay"),
-                        (["--host-kv-bytes", "-1"], "--host-kv-bytes"),
                         (["--step-log", "--http"], "--step-log"),
                         (["--model", "no-such-model"], "--model")):
         with pytest.raises(ValueError, match=match):
             bench.main(["--model", "tiny-llama", *argv, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # not a size: refused as the flags are parsed
+        bench.main(["--model", "tiny-llama", "--host-kv-bytes", "-1", "--out", str(tmp_path)])
 
 
 # The old scheduler at these two points (admission by a workflow's current turn, finished

@@ -1,4 +1,5 @@
-"""PEFT LoRA adapter directories -> `LoraAdapter` (host numpy), refusing what we do not run.
+"""PEFT LoRA adapter directories -> `LoraAdapter` (host numpy), refusing what we do not run, and
+`LoraAdapter` -> a PEFT directory (`save_peft_adapter`).
 
 Supported: `peft_type: LORA` on the decoder projections q/k/v/o/gate/up/down, any rank, `lora_alpha`,
 `use_rslora`, `target_modules` as a list of names, one name, "all-linear" or a regex, weights in
@@ -17,6 +18,7 @@ import re
 
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from forkjax.cache.adapters import adapter_fingerprint
 from forkjax.config import ModelConfig
@@ -182,3 +184,26 @@ def adapter_from_tensors(name, tensors: dict[str, np.ndarray], r: int, scaling: 
     if not weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights found")
     return LoraAdapter(name=name, rank=r, scaling=float(scaling), weights=weights, source=source)
+
+
+def save_peft_adapter(adapter: LoraAdapter, path: str) -> str:
+    """Write `adapter` as the PEFT LoRA directory `path` that `load_peft_adapter` reads back
+    (float32 safetensors, `lora_alpha` = scaling · rank, B without the scaling). The weights come
+    back bitwise when the scaling is a power of two (alpha = 2 · rank, as the benchmark agents'),
+    else to a float32 rounding. -> `path`."""
+    if not adapter.scaling:
+        raise ValueError(f"adapter {adapter.name!r}: scaling 0 has no PEFT lora_alpha to unfold B by")
+    scaling = np.float32(adapter.scaling)
+    tensors = {}
+    for (layer, module), (a, b) in sorted(adapter.weights.items()):
+        key = f"base_model.model.model.layers.{layer}.{BLOCK[module]}.{module}"
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T, np.float32)
+        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray((b / scaling).T, np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    alpha = adapter.scaling * adapter.rank
+    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": int(alpha) if alpha == int(alpha) else alpha,
+              "target_modules": sorted(adapter.targets), "bias": "none"}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path

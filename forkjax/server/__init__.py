@@ -1,13 +1,16 @@
-"""The OpenAI-compatible HTTP server behind `python -m forkjax.serve`.
+"""The OpenAI-compatible HTTP server behind `python -m forkjax.serve`: a front end (this
+package but core_proc.py) and the engine-core process it spawns, which alone touches the Engine.
 
+messages.py      the protocol between them: msgspec structs, msgpack over ZeroMQ
+core_proc.py     the engine-core process: the step loop, answering messages between steps
+core_client.py   the front end's side: spawns the core, routes its outputs, notices its death
 protocol.py      request/response bodies and OpenAI-shaped errors
 validation.py    what every request body must be: strict types, bounds, neutral unsupported fields
-engine_loop.py   the engine thread: the only code that touches the Engine
 detokenizer.py   incremental token -> text with stop strings
 chat_template.py messages -> prompt ids
-serving.py       /v1/completions and /v1/chat/completions over the engine loop
+serving.py       /v1/completions and /v1/chat/completions over the core client
 streaming.py     one request's choices to the client: whole, or as server-sent events
 middleware.py    API key and request body size limit
-metrics.py       /metrics in Prometheus text format
+metrics.py       /metrics through prometheus_client: the core's counters, the front end's latencies
 app.py           the FastAPI app: routes and error handlers
 """

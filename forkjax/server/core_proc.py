@@ -23,9 +23,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import numbers
 import os
 import signal
 import sys
+import time
 from typing import Callable
 
 import msgspec
@@ -36,7 +38,7 @@ from forkjax.server import messages as m
 from forkjax.server.logprobs import score_entries
 
 log = logging.getLogger("forkjax.serve")
-IDLE_POLL_MS = 1000  # how often an idle core checks that its parent lives
+IDLE_POLL_MS = 1000  # how often the core checks that its parent lives
 BUSY_POLL_MS = 20  # while an adapter file is being read: how soon the loop looks again
 
 
@@ -99,12 +101,15 @@ class EngineCoreProc:
     # ---- the loop -------------------------------------------------------------------------
 
     def run(self):
+        checked = time.monotonic()
         while not self.closing:
             busy = self.engine.scheduler.has_work
-            timeout = 0 if busy else BUSY_POLL_MS if self.reads else IDLE_POLL_MS
-            if not self._serve_inputs(timeout) and not busy and not self.parent_alive():
-                log.warning("the front end is gone: the engine core stops")
-                break
+            self._serve_inputs(0 if busy else BUSY_POLL_MS if self.reads else IDLE_POLL_MS)
+            if time.monotonic() - checked > IDLE_POLL_MS / 1000:
+                checked = time.monotonic()
+                if not self.parent_alive():
+                    log.warning("the front end is gone: the engine core stops")
+                    break
             self._finish_reads()
             if self.engine.scheduler.has_work:
                 try:
@@ -116,15 +121,15 @@ class EngineCoreProc:
             self._release_barriers()
         self._reader.shutdown(wait=False, cancel_futures=True)
 
-    def _serve_inputs(self, timeout_ms: int) -> bool:
-        """Handle every message waiting (waiting up to `timeout_ms` for the first) -> any."""
+    def _serve_inputs(self, timeout_ms: int):
+        """Handle every message waiting (waiting up to `timeout_ms` for the first)."""
         if not self._poller.poll(timeout_ms):
-            return False
+            return
         while True:
             try:
                 data = self.inputs.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return True
+                return
             try:
                 self.handle(m.decode_request(data))
             except Exception:
@@ -204,7 +209,9 @@ class EngineCoreProc:
         s = dict(self.engine.stats())
         s["waiting"] += sum(len(b.held) for b in self.barriers)
         s["adapters"] = len(self.engine.slots.by_name)
-        return {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
+        # the scalars, as Python numbers (a numpy one has no msgpack form)
+        return {k: v.item() if hasattr(v, "item") else v for k, v in s.items()
+                if isinstance(v, (numbers.Number, str))}
 
     def _score(self, msg: m.Score) -> list:
         logits = self.engine.score(msg.prompt, msg.adapter, cache_salt=msg.cache_salt)

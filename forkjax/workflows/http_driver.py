@@ -106,17 +106,32 @@ _COUNTERS = {"prompt_tokens": "prompt_tokens_total",
              "residual_hit_tokens": "prefix_cache_hit_tokens_total{pool=residual}",
              "prefill_tokens_computed": "prefill_tokens_computed_total",
              "generation_tokens": "generation_tokens_total",
-             "preemptions": "num_preemptions_total"}
-_GAUGES = {"decode_batch_size_mean": "decode_batch_size_mean",
-           "workflows_running_peak": "workflows_running_peak",
-           "base_bytes_used": "kv_bytes_used{pool=base}",
-           "residual_bytes_used": "kv_bytes_used{pool=residual}"}
+             "preemptions": "num_preemptions_total",
+             "host_hit_tokens": "host_hit_tokens_total",
+             "host_bytes_stored": "host_bytes_transferred_total{direction=stored}",
+             "host_bytes_loaded": "host_bytes_transferred_total{direction=loaded}",
+             "lora_swaps": "lora_swaps_total",
+             "lora_swap_bytes": "lora_swap_bytes_total"}
+_SECONDS = {"host_load_stall_s": "host_load_stall_seconds_total",
+            "lora_swap_wait_s": "lora_swap_wait_seconds_total"}
+_GAUGES = {"base_bytes_used": "kv_bytes_used{pool=base}",
+           "residual_bytes_used": "kv_bytes_used{pool=residual}",
+           "host_bytes_used": "host_bytes_used"}
+_MEAN, _PEAK = "decode_batch_size_mean", "workflows_running_peak"
 
 
 def stats_between(before: dict[str, float], after: dict[str, float]) -> dict:
     """Two scrapes -> Engine.stats() keys: counters over the interval, gauges at its end; a
-    sample the server does not export is left out."""
+    sample the server does not export is left out. The decode batch mean and the workflows'
+    peak run from the server's start (nothing resets them over HTTP): they are the interval's
+    only when no decode step ran before it (the peak also when it grew in the interval), else
+    None."""
     out: dict = {k: int(after[m] - before.get(m, 0.0)) for k, m in _COUNTERS.items() if m in after}
-    out.update({k: after[m] if k == "decode_batch_size_mean" else int(after[m])
-                for k, m in _GAUGES.items() if m in after})
+    out.update({k: after[m] - before.get(m, 0.0) for k, m in _SECONDS.items() if m in after})
+    out.update({k: int(after[m]) for k, m in _GAUGES.items() if m in after})
+    fresh = not before.get(_MEAN)  # 0: no decode step yet
+    if _MEAN in after:
+        out[_MEAN] = after[_MEAN] if fresh else None
+    if _PEAK in after:
+        out[_PEAK] = int(after[_PEAK]) if fresh or after[_PEAK] > before.get(_PEAK, 0.0) else None
     return out

@@ -14,12 +14,15 @@ SUMMARY = ("policy", "workflows", "total", "max_batch_size", "session_hints", "t
            "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
            "base_hit_rate", "residual_hit_rate", "decode_batch_size_mean", "workflows_running_peak",
            "prefill_tokens_computed", "prefill_tokens_minimal", "recompute_ratio", "preemptions",
-           "latency_p50_s", "compile_s", "build_s", "wall_s")
+           "latency_p50_s", "compile_s", "build_s", "server_start_s", "wall_s")
 
 
 def summary_line(row: dict) -> str:
     def f(key, spec):
         return "n/a" if row.get(key) is None else format(row[key], spec)
+    # over HTTP the server's start-up (weights and warm-up) is timed, not its compiles
+    start = (f"server start {row['server_start_s']:.1f} s" if row.get("server_start_s") is not None
+             else f"compile {row['compile_s']:.1f} s {row['compile_breakdown']}")
     return (f"{'replay ' if row.get('replay') else ''}{row['pattern']} {row['policy']} "
             f"x{row['workflows']} ({row['total']} in all): {row['tasks_per_s']:.3f} tasks/s, steady "
             f"{f('tasks_per_s_steady', '.3f')}, sustained {f('tasks_per_s_sustained', '.3f')}, "
@@ -28,8 +31,7 @@ def summary_line(row: dict) -> str:
             f"{f('decode_batch_size_mean', '.1f')} (max {row['max_batch_size']}), workflows running "
             f"peak {row.get('workflows_running_peak')}, prefill {row.get('prefill_tokens_computed')} tok"
             f" / minimal {row['prefill_tokens_minimal']} = {f('recompute_ratio', '.3f')}, "
-            f"{row.get('preemptions')} preemptions (run {row['wall_s']:.1f} s, compile "
-            f"{row['compile_s']:.1f} s {row['compile_breakdown']})")
+            f"{row.get('preemptions')} preemptions (run {row['wall_s']:.1f} s, {start})")
 
 
 def write_json(path: str, obj: dict):

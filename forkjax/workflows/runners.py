@@ -1,7 +1,7 @@
 """Run a set of workflows on a clean cache and return (RunResult, the engine's stats for the run):
 in process through the Engine API (driver.py; an Engine, or replay.py's ReplayEngine on its
-virtual clock), or over HTTP through a LocalServer around the engine (http_driver.py, its
-statistics from the server's /metrics)."""
+virtual clock), or over HTTP against a `python -m forkjax.serve` process (local_server.py's
+ServerProcess; http_driver.py, its statistics from the server's /metrics)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,14 @@ class InProcess:
 
 
 class OverHttp:
-    """Runs workflows through the HTTP API of a LocalServer over the engine."""
+    """Runs workflows through the HTTP API of a ServerProcess. The server's counters cannot be
+    reset: a run's stats are the differences of /metrics around it (http_driver.stats_between)."""
 
     def __init__(self, server, fanout: bool, session_hints: bool = True):
         self.server, self.fanout, self.session_hints = server, fanout, session_hints
-        self.engine = server.loop.engine  # for what the API does not say: its cache's shape
 
     def fresh(self):
-        engine = self.engine
-        self.server.call(lambda: (engine.flush_cache(), engine.reset_stats()))
+        self.server.flush()
 
     def run(self, workflows, desc: str):
         from forkjax.workflows.http_driver import run_http, scrape, stats_between
