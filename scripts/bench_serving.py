@@ -87,7 +87,7 @@ import forkjax
 from forkjax.config import CACHE_POLICIES, ModelConfig
 from forkjax.engine import memory
 from forkjax.engine.sequence import SamplingParams, Status
-from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.engine.loading import describe_model
 from forkjax.sizes import size_flag
 from forkjax.workflows.agents import ATTENTION, agent_adapters
 # scripts/ is on sys.path when a script runs
@@ -165,8 +165,8 @@ def check_args(args) -> dict | None:
     for flag in ("range_ratio", "output_range_ratio"):
         if (r := getattr(args, flag)) is not None and not 0 <= r < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={r}: expected a ratio in [0, 1)")
-    if args.model is not None and args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
-        raise ValueError(f"--model {args.model!r}: not a built-in model nor a checkpoint directory")
+    if args.model is not None:
+        describe_model(args.model)  # ValueError for a name that is no model
     device = None
     if args.http:  # the server owns the device: this process starts no JAX backend
         from forkjax.workflows.local_server import probe_device  # the serve extra: httpx
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     device = check_args(args)
-    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
+    cfg = describe_model(args.model)[0]
     reqs, arrivals, max_model_len = workload(args, cfg)
     mode = "offline" if math.isinf(args.request_rate) and args.max_concurrency is None else "online"
     log(f"{args.model} {args.policy}: {len(reqs)} requests ({args.dataset}), {mode}, rate "

@@ -23,6 +23,15 @@
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
 #   online  the same at Poisson rates $SERVING_RATES (req/s, 512 requests each)   online/   ~1 min a rate
+#   wheels  install .whl/ (scripts/fetch_gpu_wheels.sh: the server's packages and aiperf) into
+#           /tmp/site, on PYTHONPATH for the later stages of the same command
+#   http    bench_serving.py ShareGPT-like offline, 1,000 requests, `prefix`,   http/    ~6 min
+#           $HTTP_MODEL (llama3.1-8b-random): in process, then over HTTP (a `python -m
+#           forkjax.serve` process, the client in processes of its own)
+#   http_online  the same model over HTTP at Poisson $HTTP_RATES (16) req/s,     http/    ~2 min a rate
+#           512 requests each ($HTTP_INPROC=1: in process too)
+#   external  aiperf (scripts/bench_external.sh) and bench_serving --http on     external/  ~4 min
+#           smollm2-135m, 512 -> 128 tokens, 256 requests at concurrency 16
 #   hardening  deterministic-mode and isolation tests on the Pallas  hardening.log      ~2 min
 #           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
@@ -133,6 +142,37 @@ for stage in "$@"; do
             --deselect "$t[full_reuse]" --deselect "$t[forkkv]" --deselect "$t[lrshared]" ;;
     swaps)
         run 420 swaps.log python3 -m pytest -q tests/test_engine_adapter_swap.py ;;
+    wheels)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+        echo "wheels: rc=$?" ;;
+    http | http_online)
+        shape="--model ${HTTP_MODEL:-llama3.1-8b-random} --dataset sharegpt --policy prefix"
+        mkdir -p "$OUT/http"
+        if [ "$stage" = http ]; then
+            runs="offline_inproc:--num-prompts_1000 offline_http:--num-prompts_1000_--http"
+        else
+            runs=$(for r in $(echo "${HTTP_RATES:-16}" | tr , ' '); do
+                [ -n "${HTTP_INPROC:-}" ] && echo "r${r}_inproc:--num-prompts_512_--request-rate_$r"
+                echo "r${r}_http:--num-prompts_512_--request-rate_${r}_--http"; done)
+        fi
+        for run_spec in $runs; do
+            name=${run_spec%%:*} flags=${run_spec#*:}
+            timeout 400 python3 scripts/bench_serving.py $shape ${flags//_/ } --out "$OUT/http/$name" \
+                > "$OUT/http/$name.log" 2>&1
+            echo "$stage $name: rc=$? $(tail -1 "$OUT/http/$name.log")"
+        done ;;
+    external)
+        mkdir -p "$OUT/external"
+        serve="--cache-policy prefix --max-model-len 2048 --warmup full"
+        timeout 280 bash scripts/bench_external.sh --model smollm2-135m --isl 512 --osl 128 \
+            --concurrency 16 --requests 256 --warmup 16 --serve-args "$serve" --out "$OUT/external/aiperf" \
+            > "$OUT/external/aiperf.log" 2>&1
+        echo "aiperf: rc=$? $(tail -1 "$OUT/external/aiperf.log")"
+        timeout 280 python3 scripts/bench_serving.py --model smollm2-135m --dataset fixed --input-len 512 \
+            --output-len 128 --num-prompts 256 --max-concurrency 16 --policy prefix --http \
+            --out "$OUT/external/bench_serving" > "$OUT/external/bench_serving.log" 2>&1
+        echo "bench_serving: rc=$? $(tail -1 "$OUT/external/bench_serving.log")" ;;
     hardening)
         run 240 hardening.log python3 -m pytest -q tests/test_deterministic.py tests/test_isolation.py ;;
     engine | det)
