@@ -10,6 +10,7 @@ import forkjax
 from conftest import SMALL, bench_workflows
 from forkjax.config import EngineConfig
 from forkjax.engine import memory
+from forkjax.fidelity.__main__ import parse_args as fidelity_args
 from forkjax.sizes import parse_size, size_flag
 
 GIB = 1 << 30
@@ -43,12 +44,16 @@ def test_not_sizes(value):
 
 @pytest.mark.parametrize("text", ["16G", "60e9", "1.5GB", "256MiB", "268435456"])
 def test_keywords_and_flags_agree(text):
-    """The engine's keywords and the scripts' flags read a size the same way."""
+    """The engine's keywords, the server's flags and the scripts' flags read a size the same way."""
+    from forkjax.serve import parse_args
     config = EngineConfig(kv_cache_bytes=text, host_kv_bytes=text)
     argv = ["--kv-cache-bytes", text, "--host-kv-bytes", text]
+    server = parse_args(argv)
     serving = bench_serving.build_parser().parse_args(argv)
     workflows = bench_workflows().build_parser().parse_args(argv)
-    for args in (config, serving, workflows):
+    fidelity = fidelity_args(["--model", "m", "--lora", "a=d", "--prompts", "p", *argv[:2]])
+    assert fidelity.kv_cache_bytes == parse_size(text)
+    for args in (config, server, serving, workflows):
         assert args.kv_cache_bytes == args.host_kv_bytes == parse_size(text)
     with pytest.raises(SystemExit):  # argparse's usage error
         bench_serving.build_parser().parse_args(["--kv-cache-bytes", "12X"])

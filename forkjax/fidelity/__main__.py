@@ -27,6 +27,7 @@ from forkjax.fidelity.metrics import paired_difference, per_task, summarize
 from forkjax.fidelity.plots import plot
 from forkjax.fidelity.runner import SLACK_TOKENS, run_policy, targets_of
 from forkjax.fidelity.tasks import load_tasks
+from forkjax.sizes import size_flag
 
 POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared", "base")
 # Served unless --policies says otherwise; lrshared assumes agents trained with one shared A.
@@ -47,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="positions compared on tasks without an answer (exact's greedy continuation)")
     ap.add_argument("--lora-scale", type=float, default=1.0,
                     help="multiplies every adapter's B, so its effect (the adapter-strength curve)")
-    ap.add_argument("--kv-cache-bytes", type=float, default=None, help="KV budget (the engine's default)")
+    ap.add_argument("--kv-cache-bytes", type=size_flag, default=None,
+                    help="KV budget, e.g. 16GB or 16G (the engine's default)")
     ap.add_argument("--seed", type=int, default=0, help="of the bootstrap resamples")
     ap.add_argument("--out", default="fidelity_out")
     ap.add_argument("--no-progress", action="store_true")
@@ -76,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(args, policy: str, max_len: int):
     cache = "prefix" if policy in ("exact", "prefix", "base") else policy.removesuffix("+fanout")
-    kw = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": int(args.kv_cache_bytes)}
+    kw = {} if args.kv_cache_bytes is None else {"kv_cache_bytes": args.kv_cache_bytes}
     return forkjax.Engine.from_pretrained(
         args.model, adapters=args.adapters, cache_policy=cache, dtype=args.dtype,
         residual_fanout=policy == "forkkv+fanout", max_model_len=max_len, warmup=False,
