@@ -37,7 +37,7 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 \
   httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 \
   opentelemetry-api==1.45.3 openai==3.63.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.17.0 \
-  httpcore2==2.17.0 truststore==0.10.5
+  httpcore2==2.17.0 truststore==0.10.5 httptools==0.9.0
 # (httpx, httpcore, h11, anyio: huggingface_hub's HTTP stack, carried in case the target's lacks
 #  them; from fastapi on: the server and its openai client.)
 ls "$DEST"/*.whl | wc -l | xargs echo "wheels:"

@@ -53,7 +53,8 @@
 #           (react, mapreduce, parallel: $WF_HOST bytes of host tier, e.g. 64e9, into
 #           <stage>_host/; $WF_TOOL seconds of tool latency, ReAct only, into <stage>_tool<s>/;
 #           WF_DISTINCT=1: every workflow slot's own agents, into <stage>_distinct/; $WF_MAX_LORAS
-#           device adapter slots, into <stage>..._slots<n>/)
+#           device adapter slots, into <stage>..._slots<n>/; WF_HTTP=1: over HTTP, a `python -m
+#           forkjax.serve` process per point, into <stage>..._http/, after the wheels stage)
 #
 # Every results file records $FORKJAX_COMMIT (scripts/provenance.py; pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -210,11 +211,11 @@ PY
         policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
         [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" \
             || shape="--sweep ${WF_COUNTS:-16}"
-        name=$stage${WF_HOST:+_host}${WF_TOOL:+_tool$WF_TOOL}${WF_DISTINCT:+_distinct}${WF_MAX_LORAS:+_slots$WF_MAX_LORAS}
+        name=$stage${WF_HOST:+_host}${WF_TOOL:+_tool$WF_TOOL}${WF_DISTINCT:+_distinct}${WF_MAX_LORAS:+_slots$WF_MAX_LORAS}${WF_HTTP:+_http}
         timeout 580 python3 scripts/bench_workflows.py --pattern "$stage" $shape --context 4096 \
             --gen 64 --total "${WF_TOTAL:-3x}" --policy "$policies" --out "$OUT/$name" \
             ${WF_HOST:+--host-kv-bytes $WF_HOST} ${WF_TOOL:+--tool-latency $WF_TOOL} ${WF_DISTINCT:+--distinct-agents} \
-            ${WF_MAX_LORAS:+--max-loras $WF_MAX_LORAS} \
+            ${WF_MAX_LORAS:+--max-loras $WF_MAX_LORAS} ${WF_HTTP:+--http} \
             > "$OUT/$name.log" 2>&1
         echo "bench_workflows $name: rc=$?"
         tr '\r' '\n' < "$OUT/$name.log" | grep -E "^$stage|Error" ;;
