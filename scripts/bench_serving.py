@@ -166,7 +166,10 @@ def check_args(args) -> dict | None:
         if (r := getattr(args, flag)) is not None and not 0 <= r < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={r}: expected a ratio in [0, 1)")
     if args.model is not None:
-        describe_model(args.model)  # ValueError for a name that is no model
+        try:
+            describe_model(args.model)
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from None
     device = None
     if args.http:  # the server owns the device: this process starts no JAX backend
         from forkjax.workflows.local_server import probe_device  # the serve extra: httpx

@@ -50,7 +50,8 @@ def summarize(rows: list[dict], seed: int = 0) -> dict:
     scored = np.array([r["accuracy"] for r in rows if r["accuracy"] is not None])
     out["accuracy"] = float(scored.mean()) if len(scored) else None
     out["accuracy_ci"] = interval(scored, seed) if len(scored) else None
-    cos = np.stack([np.asarray(r["layer_cosine"]) for r in rows])
+    # float64, as the interval's means: a float32 mean of cosines near 1 rounds past them
+    cos = np.stack([np.asarray(r["layer_cosine"], np.float64) for r in rows])
     out["layer_cosine"] = [float(v) for v in cos.mean(axis=0)]
     out["layer_cosine_ci"] = interval(cos, seed)
     return out
