@@ -31,7 +31,8 @@
 #   http_online  the same model over HTTP at Poisson $HTTP_RATES (16) req/s,     http/    ~2 min a rate
 #           512 requests each ($HTTP_INPROC=1: in process too)
 #   external  aiperf (scripts/bench_external.sh) and bench_serving --http on     external/  ~4 min
-#           smollm2-135m, 512 -> 128 tokens, 256 requests at concurrency 16
+#           smollm2-135m's shape and tokenizer (random weights), 512 -> 128 tokens, 256 requests
+#           at concurrency 16 (carry .bench_model: scripts/random_checkpoint.py --no-weights)
 #   hardening  deterministic-mode and isolation tests on the Pallas  hardening.log      ~2 min
 #           path (the server's tests need the openai client, not on the GPU machine)
 #   mgpu    Mosaic GPU kernel tests                                 mgpu_tests.log     ~2 min
@@ -163,14 +164,17 @@ for stage in "$@"; do
                 > "$OUT/http/$name.log" 2>&1
             echo "$stage $name: rc=$? $(tail -1 "$OUT/http/$name.log")"
         done ;;
-    external)
+    external)  # smollm2-135m's shape and tokenizer, random weights (its file is too large to carry):
+        # .bench_model from `scripts/random_checkpoint.py --model smollm2-135m --out .bench_model
+        # --no-weights`, carried; the weights are made here
         mkdir -p "$OUT/external"
+        python3 scripts/random_checkpoint.py --out .bench_model > "$OUT/external/checkpoint.log" 2>&1
         serve="--cache-policy prefix --max-model-len 2048 --warmup full"
-        timeout 280 bash scripts/bench_external.sh --model smollm2-135m --isl 512 --osl 128 \
-            --concurrency 16 --requests 256 --warmup 16 --serve-args "$serve" --out "$OUT/external/aiperf" \
-            > "$OUT/external/aiperf.log" 2>&1
+        timeout 280 bash scripts/bench_external.sh --model .bench_model --tokenizer .bench_model \
+            --isl 512 --osl 128 --concurrency 16 --requests 256 --warmup 16 --serve-args "$serve" \
+            --out "$OUT/external/aiperf" > "$OUT/external/aiperf.log" 2>&1
         echo "aiperf: rc=$? $(tail -1 "$OUT/external/aiperf.log")"
-        timeout 280 python3 scripts/bench_serving.py --model smollm2-135m --dataset fixed --input-len 512 \
+        timeout 280 python3 scripts/bench_serving.py --model .bench_model --dataset fixed --input-len 512 \
             --output-len 128 --num-prompts 256 --max-concurrency 16 --policy prefix --http \
             --out "$OUT/external/bench_serving" > "$OUT/external/bench_serving.log" 2>&1
         echo "bench_serving: rc=$? $(tail -1 "$OUT/external/bench_serving.log")" ;;
