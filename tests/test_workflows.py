@@ -508,3 +508,16 @@ def test_distinct_agents_swap_through_fewer_slots(tmp_path):
     assert row["recompute_ratio"] == 1.0 and row["requests"] == 4 * 3 * 2
     with pytest.raises(ValueError, match="--distinct-agents"):
         bench_workflows().main(["--model", "tiny-llama", "--distinct-agents", "--http", "--out", str(tmp_path)])
+
+
+def test_stats_between_gives_the_interval_of_counters_and_of_the_decode_batch_mean():
+    from forkjax.workflows.http_driver import stats_between
+    before = {"prompt_tokens_total": 100.0, "decode_steps_total": 10.0, "decode_batch_size_mean": 2.0,
+              "workflows_running_peak": 3.0}
+    after = {"prompt_tokens_total": 250.0, "decode_steps_total": 30.0, "decode_batch_size_mean": 4.0,
+             "workflows_running_peak": 3.0}
+    stats = stats_between(before, after)
+    assert stats["prompt_tokens"] == 150
+    assert stats["decode_batch_size_mean"] == (4.0 * 30 - 2.0 * 10) / 20  # 5 requests a step since
+    assert stats["workflows_running_peak"] is None  # reached before the interval
+    assert stats_between({}, after)["workflows_running_peak"] == 3

@@ -117,21 +117,23 @@ _SECONDS = {"host_load_stall_s": "host_load_stall_seconds_total",
 _GAUGES = {"base_bytes_used": "kv_bytes_used{pool=base}",
            "residual_bytes_used": "kv_bytes_used{pool=residual}",
            "host_bytes_used": "host_bytes_used"}
-_MEAN, _PEAK = "decode_batch_size_mean", "workflows_running_peak"
+_MEAN, _STEPS, _PEAK = "decode_batch_size_mean", "decode_steps_total", "workflows_running_peak"
 
 
 def stats_between(before: dict[str, float], after: dict[str, float]) -> dict:
     """Two scrapes -> Engine.stats() keys: counters over the interval, gauges at its end; a
-    sample the server does not export is left out. The decode batch mean and the workflows'
-    peak run from the server's start (nothing resets them over HTTP): they are the interval's
-    only when no decode step ran before it (the peak also when it grew in the interval), else
-    None."""
+    sample the server does not export is left out. The decode batch mean is the interval's
+    (the server's mean since its start times its decode steps, before and after). The
+    workflows' peak runs from the server's start (nothing resets it over HTTP): it is the
+    interval's only when no decode step ran before it or it grew in the interval, else None."""
     out: dict = {k: int(after[m] - before.get(m, 0.0)) for k, m in _COUNTERS.items() if m in after}
     out.update({k: after[m] - before.get(m, 0.0) for k, m in _SECONDS.items() if m in after})
     out.update({k: int(after[m]) for k, m in _GAUGES.items() if m in after})
-    fresh = not before.get(_MEAN)  # 0: no decode step yet
-    if _MEAN in after:
-        out[_MEAN] = after[_MEAN] if fresh else None
+    if _MEAN in after and _STEPS in after:
+        steps = after[_STEPS] - before.get(_STEPS, 0.0)
+        seqs = after[_MEAN] * after[_STEPS] - before.get(_MEAN, 0.0) * before.get(_STEPS, 0.0)
+        out[_MEAN] = seqs / steps if steps else 0.0
     if _PEAK in after:
+        fresh = not before.get(_STEPS)  # no decode step yet
         out[_PEAK] = int(after[_PEAK]) if fresh or after[_PEAK] > before.get(_PEAK, 0.0) else None
     return out
