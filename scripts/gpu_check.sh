@@ -46,6 +46,9 @@
 #           4k context, 64 + 64 tokens a turn), policies $WF_POLICIES             a policy
 #           (default: all five), workflow slots $WF_COUNTS (4,16,32), workflows in all
 #           $WF_TOTAL (3x: three times the slots, a steady state)
+#   agents5  bench_workflows.py ReAct, 5 agents x 3 rounds over 8k, 96 + 128 tokens a turn,  agents5/
+#           0.5 s tool calls, 8 workflows (16 in all), 64 GB host tier, $WF_POLICIES      ~4 min a policy
+#           (prefix,forkkv+fanout); WF_HTTP=1 over HTTP, into agents5_http/
 #   mapreduce  bench_workflows.py MapReduce headline (4 mappers +   mapreduce/, ...    ~2-4 min
 #           reducer, 4k document, 64 tokens), $WF_POLICIES, $WF_COUNTS (16),       a policy
 #           $WF_TOTAL
@@ -211,6 +214,14 @@ PY
         tr '\r' '\n' < "$OUT/tp70_tp${TP:-2}.log" | grep -E "^react|Error" ;;
     kvw)
         run 120 kvw_tests.log python3 -m pytest -q tests/test_kv_write.py ;;
+    agents5)
+        name=agents5${WF_HTTP:+_http}
+        timeout 580 python3 scripts/bench_workflows.py --pattern react --agents 5 --rounds 3 \
+            --context 8192 --gen 96 --obs 128 --tool-latency 0.5 --workflows 8 --total 16 \
+            --host-kv-bytes 64e9 --policy "${WF_POLICIES:-prefix,forkkv+fanout}" ${WF_HTTP:+--http} \
+            --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+        echo "bench_workflows $name: rc=$?"
+        tr '\r' '\n' < "$OUT/$name.log" | grep -E "^react|Error" ;;
     react | mapreduce | parallel)
         policies=${WF_POLICIES:-prefix,full_reuse,forkkv,lrshared,forkkv+fanout}
         [ "$stage" = react ] && shape="--sweep ${WF_COUNTS:-4,16,32} --obs 64" \
