@@ -142,7 +142,7 @@ def test_closed_loop_and_http(tmp_path):
     assert _in_flight_peak(r["requests"]) == 2 and r["decode_batch_size_mean"] <= 2
     # Against a `python -m forkjax.serve` process; the benchmark's own process (a fresh one here)
     # starts no JAX backend, which on a GPU would take memory from the server.
-    argv = ["--http", "--request-rate", "30", "--max-concurrency", "4"]
+    argv = ["--http", "--request-rate", "30", "--max-concurrency", "4", "--client-procs", "2"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(root, ".cache", "jax"),
                PYTHONPATH=os.pathsep.join([root, os.path.join(root, "scripts")]))
