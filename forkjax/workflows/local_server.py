@@ -77,8 +77,8 @@ class ServerProcess:
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds (user + system) so far of the front end (the server's process) and of the
         engine core (its child)."""
-        core = [pid for pid in _children(self.proc.pid)]
-        return {"front_end": _cpu_s(self.proc.pid), "engine_core": sum(map(_cpu_s, core))}
+        return {"front_end": _cpu_s(self.proc.pid),
+                "engine_core": sum(map(_cpu_s, _children(self.proc.pid)))}
 
     def flush(self) -> None:
         """POST /flush_cache: every KV page no running request holds is freed."""
