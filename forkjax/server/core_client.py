@@ -63,7 +63,7 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count(1)
-        self._tasks: list[asyncio.Task] = []
+        self._receiver: asyncio.Task | None = None
         self._pidfd = -1
         self.adapters: dict[str, str] = dict(info.adapters)  # replaced whole, never mutated
         self.dead: str | None = None  # why the core is gone
@@ -125,15 +125,14 @@ class CoreClient:
         """Route the core's messages and watch its process (from the app's lifespan)."""
         loop = asyncio.get_running_loop()
         self._pull = zmq.asyncio.Socket.from_socket(self._sync_pull)
-        self._tasks = [loop.create_task(self._receive())]
+        self._receiver = loop.create_task(self._receive())
         self._pidfd = os.pidfd_open(self.process.pid)  # readable once the process has ended
         loop.add_reader(self._pidfd, self._died)
 
     async def stop(self):
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
-        for task in self._tasks:
-            task.cancel()
+        self._receiver.cancel()
 
     def stop_requests(self):
         """This front end is stopping: the core ends its requests with "shutdown"."""
