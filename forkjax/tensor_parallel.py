@@ -39,8 +39,9 @@ from forkjax.config import ModelConfig
 
 TP_AXIS = "tp"
 
-# Parameter path (dotted, as nnx names it: `layers.3.self_attn.qkv_proj.lora_b.q_proj`) ->
-# PartitionSpec of its global array: the first rule whose pattern the path contains.
+# Parameter path (dotted, as nnx names it: `layers.self_attn.qkv_proj.lora_b.q_proj`) ->
+# PartitionSpec of one layer's global array: the first rule whose pattern the path contains (a
+# decoder layer's parameters carry a leading layer axis, not split: `spec_of`).
 PARAM_RULES = (
     (r"^(embed_tokens|lm_head)$", P(TP_AXIS, None)),  # vocabulary rows
     (r"(qkv_proj|gate_up_proj)\.(weight|bias)$", P(TP_AXIS)),  # each shard's stacked rows
@@ -52,8 +53,10 @@ PARAM_RULES = (
 
 
 def spec_of(path: str) -> P:
-    """The PartitionSpec of the parameter at dotted `path` (PARAM_RULES)."""
-    return next(spec for pattern, spec in PARAM_RULES if re.search(pattern, path))
+    """The PartitionSpec of the parameter at dotted `path` (PARAM_RULES; under `layers.` the
+    stacked layers' leading axis first)."""
+    spec = next(spec for pattern, spec in PARAM_RULES if re.search(pattern, path))
+    return P(None, *spec) if path.startswith("layers.") else spec
 
 
 @functools.cache

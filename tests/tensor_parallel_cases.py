@@ -60,14 +60,16 @@ def test_tp2_equals_one_device(policy, fanout):
 def test_tp2_params_and_pools_are_split():
     engine = forkjax.Engine.from_pretrained("tiny-llama", cache_policy="forkkv", tensor_parallel_size=2, **TINY)
     model, pools = engine.model, engine.runner.pools
-    attn = model.layers[0].self_attn
-    expect = [(model.embed_tokens, P("tp", None)), (attn.qkv_proj.weight, P("tp")),
-              (attn.o_proj.weight, P(None, "tp")), (attn.qkv_proj.lora_b["q_proj"], P(None, None, "tp")),
-              (attn.o_proj.lora_b["o_proj"], P()), (model.layers[0].mlp.down_proj.weight, P(None, "tp")),
-              (model.layers[0].input_layernorm.weight, P())]
+    attn = model.layers.self_attn  # the stacked layers: a leading layer axis, not split
+    expect = [(model.embed_tokens, P("tp", None)), (attn.qkv_proj.weight, P(None, "tp")),
+              (attn.o_proj.weight, P(None, None, "tp")),
+              (attn.qkv_proj.lora_b["q_proj"], P(None, None, None, "tp")),
+              (attn.o_proj.lora_b["o_proj"], P(None)), (model.layers.mlp.down_proj.weight, P(None, None, "tp")),
+              (model.layers.input_layernorm.weight, P(None))]
     for var, spec in expect:
         x = var.get_value()
-        assert x.sharding.spec == spec and len(x.sharding.device_set) == 2
+        want = jax.sharding.NamedSharding(x.sharding.mesh, spec)
+        assert x.sharding.is_equivalent_to(want, x.ndim) and len(x.sharding.device_set) == 2, (x.sharding, spec)
     # each device holds its heads' base pages (2 KV heads: one each) and the whole residual pool
     assert pools.base_k.sharding.spec == P(None, "tp")
     assert {s.data.shape[1] for s in pools.base_k.addressable_shards} == {1}

@@ -7,16 +7,16 @@ import numpy as np
 
 from forkjax.config import ModelConfig
 from forkjax.lora.slot_writer import write_slot
-from forkjax.lora.slots import _projection, lora_modules, slot_rank
+from forkjax.lora.slots import lora_modules, projection, slot_rank
 from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import BUILTIN_CONFIGS, load_builtin, random_adapter
 
 
 def _arrays(model):
     """{(layer, module): (numpy copy of its stacked weight, of its B slots)}."""
-    return {(i, m): (np.asarray(_projection(model, i, m).weight[...]),
-                     np.asarray(_projection(model, i, m).lora_b[m][...]))
-            for i in range(len(model.layers)) for m in TARGETS}
+    return {(i, m): (np.asarray(projection(model, m).weight[i]),
+                     np.asarray(projection(model, m).lora_b[m][i]))
+            for i in range(model.num_layers) for m in TARGETS}
 
 
 def test_write_slot_touches_only_its_rows():
@@ -30,7 +30,7 @@ def test_write_slot_touches_only_its_rows():
     for slot, adapter in written.items():
         write_slot(model, slot, adapter)
     for (i, module), (w, b) in _arrays(model).items():
-        proj = _projection(model, i, module)
+        proj = projection(model, module)
         for slot in range(4):
             start = proj.a_rows(module, slot)
             want_a = np.zeros((r, w.shape[1]), np.float32)  # slots 0 and 2 stay zero
@@ -69,9 +69,9 @@ def test_slot_writer_images_are_pinned_and_follow_the_weights():
     assert len(pairs) == len(writer._vars) and all(o is not n for o, n in pairs)
     new = random_adapter("agent", cfg, 8, 16, ("q_proj", "o_proj"), seed=2)
     writer.write(model, 2, new)
-    proj = _projection(model, 1, "q_proj")
+    proj = projection(model, "q_proj")
     start = proj.a_rows("q_proj", 2)
-    np.testing.assert_array_equal(np.asarray(proj.weight[...])[start:start + 8], new.weights[(1, "q_proj")][0].T)
+    np.testing.assert_array_equal(np.asarray(proj.weight[1])[start:start + 8], new.weights[(1, "q_proj")][0].T)
 
 
 def _slots(num_slots, names, pinned=()):

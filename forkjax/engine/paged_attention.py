@@ -12,10 +12,12 @@ kernels (interpreted where jax has no GPU).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from forkjax.cache import KVPools
 from forkjax.models.attention import QKV
 from forkjax.pallas_kernels.kv_write import api as kv_write
 from forkjax.pallas_kernels.paged_attention import api as attention
@@ -37,20 +39,30 @@ class PagedMeta:
     fan_adapters: jax.Array | None = None
 
 
-def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool, inv_freq,
-                    use_pallas: bool, fan_checks: list | None = None):
-    """T tokens (T = B in decode, B·C in extend) -> ([T, Hq, D], pools).
+class PagedState(NamedTuple):
+    """What the layers thread through attention: the pools, and with residual fan-out whether
+    every fan-out residual written so far is finite (another agent's A on this one's hidden
+    states may overflow; the host then keeps those pages out of that agent's tree)."""
+    pools: KVPools
+    fan_ok: jax.Array | None = None  # [T, F] bool, per fan-out target of each token
 
-    fan_checks: with residual fan-out, each layer appends [T, N] bool: the fan-out residuals it
-    wrote for adapter slot j are finite (another agent's A on this one's hidden states may
-    overflow; `_forward` reduces them, and the host then keeps those pages out of j's tree)."""
+
+def paged_attention(layer, qkv: QKV, batch, state: PagedState, *, kind: str, residual: bool,
+                    inv_freq, use_pallas: bool):
+    """T tokens (T = B in decode, B·C in extend) of layer `layer` (int32 scalar) -> ([T, Hq, D],
+    the state with this layer's K/V written)."""
+    pools, fan_ok = state
     m = batch.attn
     hq, hkv, hd = qkv.heads
     b_k, b_v = qkv.b("k_proj"), qkv.b("v_proj")
     n, r = b_k.shape[:2]
     b_k4, b_v4 = b_k.reshape(n, r, hkv, hd), b_v.reshape(n, r, hkv, hd)
     run = dict(backend=_backend(use_pallas), interpret=None)  # None: interpreted off a GPU
-    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, m.fan_adapters, fan_checks)
+    checks = []  # this layer's fan-out finiteness [T, F], appended by the write
+    write = _with_fanout(_kv_writer(use_pallas, pools), qkv, m.fan_slots, m.fan_adapters, checks)
+
+    def done(out, pools):
+        return out, PagedState(pools, fan_ok if fan_ok is None else fan_ok & checks[0])
     if kind == "decode" and residual and qkv.proj.lora_path == "fused" and attention.fused_decode_supported(
             qkv.heads, pools.base_k.shape[-2], pools.res_k.shape[-1], pools.base_k.dtype, **run):
         # one kernel from the q|k|v GEMM's output to the attention kernel's operands and the
@@ -64,7 +76,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
             ops, pools.base_k, pools.base_v, pools.res_k, pools.res_v, m.base_pages,
             m.res_pages, m.prefix_lengths + 1, b_k4, b_v4, m.adapter_ids, inv_freq, layer=layer,
             interpret=None)
-        return out, pools
+        return done(out, pools)
     q = qkv.q()
     t = q.shape[0]
     if residual:
@@ -83,7 +95,7 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         else:
             out = attention.unified_attention_decode(
                 q, pools.base_k, pools.base_v, m.base_pages, lengths, layer=layer, **run)
-        return out, pools
+        return done(out, pools)
     q4 = q.reshape(nb, t // nb, hq, hd)
     if residual:
         out = attention.residual_attention_extend(
@@ -94,10 +106,10 @@ def paged_attention(layer, qkv: QKV, batch, pools, *, kind: str, residual: bool,
         out = attention.unified_attention_extend(
             q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths, m.chunk_lengths,
             layer=layer, **run)
-    return out.reshape(t, hq, hd), pools
+    return done(out.reshape(t, hq, hd), pools)
 
 
-def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list | None):
+def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list):
     """Residual fan-out: the K/V write also stores every token's x·A_j of the adapter slots j in
     `fan_adapters` [T, F] at `fan_slots` [T, F] (0: not written), beside its own residual, in
     the same kernel; `checks` gets their finiteness [T, F]. F, not the N adapter slots, sets the
@@ -110,8 +122,7 @@ def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list | None):
         xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), jnp.take_along_axis(
             qkv.all_slots_xa(part), fan_adapters[..., None], axis=1)], axis=1)  # [T, 1 + F, R]
                       for own, part in ((xa_k, "k_proj"), (xa_v, "v_proj")))
-        if checks is not None:
-            checks.append(jnp.isfinite(xa_k[:, 1:]).all(-1) & jnp.isfinite(xa_v[:, 1:]).all(-1))
+        checks.append(jnp.isfinite(xa_k[:, 1:]).all(-1) & jnp.isfinite(xa_v[:, 1:]).all(-1))
         return write(pools, layer, base_slots, res_slots, k, v, xa_k, xa_v)
     return write_all
 

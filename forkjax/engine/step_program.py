@@ -14,7 +14,7 @@ from flax import nnx
 from forkjax.cache import copy_pages
 from forkjax.cache.pool import KV_SPECS
 from forkjax.engine.input_batch import StepInputs
-from forkjax.engine.paged_attention import paged_attention
+from forkjax.engine.paged_attention import PagedState, paged_attention
 from forkjax.engine.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
 from forkjax.models.transformer import ForwardBatch
 from forkjax.tensor_parallel import REPLICATED, shard
@@ -72,11 +72,12 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
-    fan_checks = []  # [T, F] per layer, appended while the layers are traced
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
-                             inv_freq=model.inv_freq[...], fan_checks=fan_checks)
-    h, pools, layers = model(tokens, batch, attn, pools, output_hidden_states=hidden)
-    states = jnp.stack(layers[:-1] + [h]).astype(jnp.float32) if hidden else None
+                             inv_freq=model.inv_freq[...])
+    fan = inputs.meta.fan_adapters
+    state = PagedState(pools, None if fan is None else jnp.ones(fan.shape, bool))
+    h, (pools, fan_ok), layer_inputs = model(tokens, batch, attn, state, output_hidden_states=hidden)
+    states = jnp.concatenate([layer_inputs, h[None]]).astype(jnp.float32) if hidden else None
     logits = model.logits(h) if all_logits else None
     # The sampled rows get their own [B, vocab] GEMM even when every row's logits are computed:
     # a request's sampled logits then never depend on a score request sharing its step.
@@ -87,11 +88,11 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
     finite &= jnp.isfinite(rows).all(-1)
     n = inputs.group_sizes.shape[0]
     fan_finite = jnp.ones((b, n), bool)
-    if fan_checks:  # a target's rows that are not finite, per adapter slot
-        fan_bad = ~jnp.stack(fan_checks).all(0)[..., None] & (
+    if fan_ok is not None:  # a target's rows that are not finite, per adapter slot
+        fan_bad = ~fan_ok[..., None] & (
             inputs.meta.fan_adapters[..., None] == jnp.arange(n))  # [T, F, N]
-        fan_ok = ~fan_bad.any(1).reshape(b, -1, n)  # [B, c, N]
-        fan_finite = jnp.all(fan_ok | ~valid[..., None], axis=1)
+        slot_ok = ~fan_bad.any(1).reshape(b, -1, n)  # [B, c, N]
+        fan_finite = jnp.all(slot_ok | ~valid[..., None], axis=1)
     return (_pad_to(greedy(rows), prev_tokens.shape[0]), rows, logits, finite, fan_finite,
             states), pools
 

@@ -6,7 +6,8 @@ registered, and kept in pinned host memory on a GPU (jax memory kind `pinned_hos
 host arithmetic: `jax.device_put` starts the image's copy to the device (from pinned memory at
 the link's rate, ~49 GB/s on the H200 against 4-7 GB/s from pageable numpy; ~27 MB for a
 rank-16 q/k/v/o adapter of Llama-3-8B), and one jitted program that donates every LoRA
-projection's weight and B writes it into the slot's rows in place (zeros into the projections
+projection's stacked weight and B (a handful of arrays, each every layer's) writes it into the
+slot's rows in place (zeros into the projections
 the adapter does not target, so a slot holds exactly one adapter's function). Both are
 dispatched, not waited for: the copy runs beside the step in flight, and the write, ordered
 after that step by the donation, before the next one (JAX orders work on a buffer by dispatch).
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from forkjax.lora.peft import LoraAdapter
-from forkjax.lora.slots import BASE_SLOT, _projection, check_fits, lora_modules, slot_rank
+from forkjax.lora.slots import BASE_SLOT, check_fits, lora_modules, projection, slot_rank
 from forkjax.lora.targets import holder_of
 from forkjax.tensor_parallel import REPLICATED, shard, sharding, spec_of
 
@@ -34,39 +35,39 @@ def _write(weights, bs, image, slot, plan, tp: int):
     if tp == 1:
         return _write_slot(weights, bs, image, slot, plan)
     w_specs, b_specs = [None] * len(weights), [None] * len(bs)
-    for module, _, first_row, w_ids, b_ids in plan:
-        for wi in w_ids:
-            w_specs[wi] = spec_of(f"lora_a.{module}" if first_row is None else f"{holder_of(module)}.weight")
-        for bi in b_ids:
-            b_specs[bi] = spec_of(f"lora_b.{module}")
+    for module, _, first_row, wi, bi in plan:
+        w_specs[wi] = spec_of(f"layers.lora_a.{module}" if first_row is None
+                              else f"layers.{holder_of(module)}.weight")
+        b_specs[bi] = spec_of(f"layers.lora_b.{module}")
     specs = (tuple(w_specs), tuple(b_specs))
     return shard(functools.partial(_write_slot, plan=plan), tp, out_specs=specs,
                  in_specs=(*specs, image_specs(image), REPLICATED))(weights, bs, image, slot)
 
 
 def image_specs(image: dict) -> dict:
-    """The PartitionSpecs of a slot image {module: (A^T [L, R, in], B [L, R, out])}: those of the
-    module's lora_a and lora_b (their slot axis is the image's layer axis)."""
+    """The PartitionSpecs of a slot image {module: (A^T [L, R, in], B [L, R, out])}: those of one
+    layer's lora_a and lora_b (their slot axis is the image's layer axis)."""
     return {m: (spec_of(f"lora_a.{m}"), spec_of(f"lora_b.{m}")) for m in image}
 
 
 def _write_slot(weights, bs, image, slot, plan):
-    """weights (where the A's lie: every LoRA projection's stacked weight, or on the sgmv path
-    every lora_a [N, R, in]) and bs (every B [N, R, out]) with the slot's rows replaced: `plan`
-    holds per module (name, in the image, its slot-0 A row in the stacked weight or None for
-    lora_a, weight index and B index of each layer); image {module: (A^T [L, R, in], B [L, R, out])}."""
+    """weights (where the A's lie: every LoRA projection's stacked weight [L, O + A rows, in], or
+    on the sgmv path every lora_a [L, N, R, in]) and bs (every B [L, N, R, out]) with the slot's
+    rows replaced in every layer at once: `plan` holds per module (name, in the image, its
+    slot-0 A row in the stacked weight or None for lora_a, weight index, B index); image
+    {module: (A^T [L, R, in], B [L, R, out])}."""
     weights, bs = list(weights), list(bs)
-    for module, present, first_row, w_ids, b_ids in plan:
-        for layer, (wi, bi) in enumerate(zip(w_ids, b_ids)):
-            w, b = weights[wi], bs[bi]
-            r = b.shape[1]
-            a_rows = image[module][0][layer] if present else jnp.zeros((r, w.shape[-1]), w.dtype)
-            b_rows = image[module][1][layer] if present else jnp.zeros(b.shape[1:], b.dtype)
-            if first_row is None:
-                weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype)[None], slot, 0)
-            else:
-                weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows.astype(w.dtype), first_row + slot * r, 0)
-            bs[bi] = jax.lax.dynamic_update_slice_in_dim(b, b_rows.astype(b.dtype)[None], slot, 0)
+    for module, present, first_row, wi, bi in plan:
+        w, b = weights[wi], bs[bi]
+        layers, r = b.shape[0], b.shape[2]
+        a_rows = image[module][0] if present else jnp.zeros((layers, r, w.shape[-1]), w.dtype)
+        b_rows = image[module][1] if present else jnp.zeros((layers, r, b.shape[-1]), b.dtype)
+        a_rows, b_rows = a_rows.astype(w.dtype), b_rows.astype(b.dtype)
+        if first_row is None:
+            weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows[:, None], slot, 1)
+        else:
+            weights[wi] = jax.lax.dynamic_update_slice_in_dim(w, a_rows, first_row + slot * r, 1)
+        bs[bi] = jax.lax.dynamic_update_slice_in_dim(b, b_rows[:, None], slot, 1)
     return tuple(weights), tuple(bs)
 
 
@@ -75,7 +76,7 @@ class SlotWriter:
     into a device slot of `model`'s LoRA projections."""
 
     def __init__(self, model, device=None):
-        self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), len(model.layers)
+        self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), model.num_layers
         self.tp = model.tp
         device = device or jax.devices()[0]
         # Pinned memory speeds the copy to a GPU; a CPU's device memory is host memory already.
@@ -83,23 +84,18 @@ class SlotWriter:
                       if device.platform == "gpu" else None)
         self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self._images: dict[str, tuple[str, dict]] = {}  # name -> (content hash, image)
-        # The variables a write replaces (every LoRA projection's stacked weight, then every B)
-        # and the program's plan, fixed by the model's structure.
-        weights, bs, plan, ids = [], [], [], {}  # ids: id of an A variable -> its index in weights
+        # The variables a write replaces (every LoRA projection's stacked weight, then every B:
+        # a handful, each holding every layer) and the program's plan, fixed by the model.
+        weights, bs, plan = [], [], []
         for module in self.modules:
-            w_ids, b_ids = [], []
-            fused = _projection(model, 0, module).lora_path == "fused"
-            for layer in range(self.layers):
-                proj = _projection(model, layer, module)
-                a = proj.weight if fused else proj.lora_a[module]  # the stacked weight is shared
-                if id(a) not in ids:
-                    ids[id(a)] = len(weights)
-                    weights.append(a)
-                w_ids.append(ids[id(a)])
-                b_ids.append(len(bs))
-                bs.append(proj.lora_b[module])
-            first_row = _projection(model, 0, module).a_rows(module, 0) if fused else None
-            plan.append((module, first_row, tuple(w_ids), tuple(b_ids)))
+            proj = projection(model, module)
+            fused = proj.lora_path == "fused"
+            a = proj.weight if fused else proj.lora_a[module]  # q, k and v share one weight
+            if not any(a is w for w in weights):
+                weights.append(a)
+            plan.append((module, proj.a_rows(module, 0) if fused else None,
+                         next(i for i, w in enumerate(weights) if w is a), len(bs)))
+            bs.append(proj.lora_b[module])
         self._vars, self._num_weights, self._plan = weights + bs, len(weights), tuple(plan)
 
     def image_bytes(self, name: str) -> int:
@@ -111,8 +107,8 @@ class SlotWriter:
         check_fits(model, adapter)
         image = {}
         for module in sorted(adapter.targets):
-            proj = _projection(model, 0, module)
-            d_in, d_out = proj.weight.get_value().shape[1], proj.lora_b[module].get_value().shape[2]  # [.., in], [N, R, out]
+            proj = projection(model, module)
+            d_in, d_out = proj.weight.get_value().shape[-1], proj.lora_b[module].get_value().shape[-1]
             a = np.zeros((self.layers, self.rank, d_in), np.float32)
             b = np.zeros((self.layers, self.rank, d_out), np.float32)
             for layer in range(self.layers):

@@ -15,19 +15,20 @@ from forkjax.lora.targets import BLOCK, TARGETS, holder_of
 BASE_SLOT = 0
 
 
-def _projection(model, layer: int, module: str):
-    """The `LoRALinear` of decoder layer `layer` that holds HF projection `module`."""
-    return getattr(getattr(model.layers[layer], BLOCK[module]), holder_of(module))
+def projection(model, module: str):
+    """The stacked `LoRALinear` that holds HF projection `module` (its arrays [L, ...]: every
+    decoder layer's)."""
+    return getattr(getattr(model.layers, BLOCK[module]), holder_of(module))
 
 
 def slot_rank(model) -> int:
     """R: the rank every slot is padded to."""
-    return _projection(model, 0, "k_proj").slots[1]
+    return projection(model, "k_proj").slots[1]
 
 
 def lora_modules(model) -> tuple[str, ...]:
     """The projections of `model` that carry LoRA slots."""
-    return tuple(m for m in TARGETS if m in _projection(model, 0, m).lora)
+    return tuple(m for m in TARGETS if m in projection(model, m).lora)
 
 
 def check_fits(model, adapter: LoraAdapter):

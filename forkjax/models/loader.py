@@ -10,6 +10,7 @@ read the file (BENCHMARKS.md, "Checkpoint loading"). LoRA slots start at zero; `
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -27,7 +28,7 @@ from forkjax.lora.targets import STACKED, TARGETS
 from forkjax.models.transformer import CausalLM
 from forkjax.rope import rope_inv_freq
 from forkjax.tensor_parallel import (global_shape, local_config, make_mesh, pad_vocab, place,
-                                     spec_of, stacked_layout)
+                                     sharding, spec_of, stacked_layout)
 
 # get(hf_name, shape, dtype) -> array for one base-model parameter.
 ParamSource = Callable[[str, tuple, jnp.dtype], jax.Array]
@@ -58,6 +59,12 @@ def _projection(cfg: ModelConfig, get: ParamSource, path: tuple, spec, tp: int) 
     return stacked_layout(parts, spec.shape[0] - rows, tp, column)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack, i, value):
+    """stack [L, ...] with row `i` replaced by value [...] (donated: in place)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), i, 0)
+
+
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """HF tensor name -> shape of every tensor a checkpoint of `cfg` holds (the inverse of the
     mapping `build_model` applies)."""
@@ -83,22 +90,31 @@ def build_model(cfg: ModelConfig, get: ParamSource, *, num_slots: int, rank: int
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, num_slots=num_slots, rank=rank, dtype=dtype,
                                                lora_targets=lora_targets, lora_path=lora_path, tp=tp))
     graphdef, state = nnx.split(abstract)
+
+    def param(path, spec):  # a parameter's (global) value; path: HF's, the layer's index in it
+        if path == ("inv_freq",):
+            return jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        if path[-1] in ("weight", "bias") and path[-2].endswith("_proj"):
+            return _projection(cfg, get, path, spec, tp)
+        if path[0] in ("embed_tokens", "lm_head"):
+            return pad_vocab(get(hf_name(path), (cfg.vocab_size, cfg.hidden_size), spec.dtype),
+                             spec.shape[0] * tp)
+        return get(hf_name(path), spec.shape, spec.dtype)
+
     flat = []
     for path, var in tqdm(list(nnx.to_flat_state(state)), desc="loading weights",
                           disable=not progress, unit="tensor"):
         spec = var.get_value()  # one shard's shape
         name = ".".join(str(p) for p in path)
-        if path == ("inv_freq",):
-            value = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        elif "lora_a" in path or "lora_b" in path:
-            value = jnp.zeros(global_shape(spec.shape, spec_of(name), tp), spec.dtype)
-        elif path[-1] in ("weight", "bias") and path[-2].endswith("_proj"):
-            value = _projection(cfg, get, path, spec, tp)
-        elif path[0] in ("embed_tokens", "lm_head"):
-            value = pad_vocab(get(hf_name(path), (cfg.vocab_size, cfg.hidden_size), spec.dtype),
-                              spec.shape[0] * tp)
-        else:
-            value = get(hf_name(path), spec.shape, spec.dtype)
+        if path[0] != "layers":
+            value = param(path, spec)
+        else:  # the stacked layers: LoRA slots empty, the rest layer by layer by HF name, in place
+            value = jnp.zeros(global_shape(spec.shape, spec_of(name), tp), spec.dtype,
+                              device=sharding(tp, spec_of(name)))
+            if "lora_a" not in path and "lora_b" not in path:
+                layer = jax.ShapeDtypeStruct(spec.shape[1:], spec.dtype)
+                for i in range(spec.shape[0]):
+                    value = _set_layer(value, i, param(("layers", i, *path[1:]), layer))
         flat.append((path, var.replace(place(value, name, tp))))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 

@@ -6,6 +6,11 @@ projections reading the same input are stored stacked as vLLM does (`qkv_proj` =
 `gate_up_proj` = gate|up: one GEMM each, see `forkjax.lora.layers.LoRALinear` and
 `forkjax.lora.targets.STACKED`); the loader maps a checkpoint by name.
 
+The decoder layers are one `DecoderLayer` whose parameters carry a leading layer axis (MaxText's
+scanned layers): the forward runs them under `jax.lax.scan`, so a program holds one layer body
+whatever the depth, and a step passes a few dozen arrays, not a few per layer. The layer index
+reaches attention as an int32 scalar (the KV pools carry the same leading axis).
+
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives the q|k|v projection (`QKV`) and builds q
 and the (base, residual) K and V pairs from it: the engine's paged attention
@@ -39,8 +44,16 @@ class ForwardBatch:
     attn: Any = None        # attention backend metadata (a pytree)
 
 
-# attn_fn(layer, qkv: QKV (models/attention.py), batch, kv_state) -> (out [T, Hq, D], kv_state)
+# attn_fn(layer: int32 scalar, qkv: QKV (models/attention.py), batch, kv_state) ->
+# (out [T, Hq, D], kv_state)
 AttnFn = Callable[..., tuple[jax.Array, Any]]
+
+
+def stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
+    """`make()`'s module with every array given a leading axis of `n` (its initial value
+    repeated): the parameters of `n` layers as one module."""
+    graphdef, state = nnx.split(make())
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state))
 
 
 class Attention(nnx.Module):
@@ -108,8 +121,8 @@ class CausalLM(nnx.Module):
         lora = dict(num_slots=num_slots, rank=rank, precision=precision,
                     targets=tuple(lora_targets) + ALWAYS_LORA, lora_path=lora_path)
         self.embed_tokens = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, reduce=reduce, **lora)
-                                for _ in range(cfg.num_layers)])
+        self.num_layers = cfg.num_layers
+        self.layers = stacked(lambda: DecoderLayer(cfg, dtype, reduce=reduce, **lora), cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype)))
@@ -118,19 +131,26 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens, batch: ForwardBatch, attn_fn: AttnFn, kv_state=None,
                  output_hidden_states: bool = False):
-        """tokens [T] int32 -> (final normed hidden [T, d], kv_state, per-layer hidden list).
+        """tokens [T] int32 -> (final normed hidden [T, d], kv_state, every layer's input
+        [L, T, d] with `output_hidden_states`, else None).
 
-        `kv_state` (the paged pools, or None) is threaded through `attn_fn` layer after layer, so
-        the caller can donate it at the jit boundary and every write stays in place.
+        `kv_state` (the paged pools, or None) is threaded through `attn_fn` layer after layer as
+        the scan's carry, so the caller can donate it at the jit boundary and every write stays
+        in place.
         """
         x = self.embed(tokens)
         rope = rope_cos_sin(batch.positions, self.inv_freq[...], self.dtype, exact=False, full=True)
-        hidden = [x] if output_hidden_states else []
-        for i, layer in enumerate(self.layers):
-            x, kv_state = layer(i, x, rope, batch, attn_fn, kv_state)
-            if output_hidden_states:
-                hidden.append(x)
-        return self.norm(x), kv_state, hidden
+        layer_def, layer_params = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, kv_state = carry
+            i, params = xs
+            out, kv_state = nnx.merge(layer_def, params)(i, x, rope, batch, attn_fn, kv_state)
+            return (out, kv_state), x if output_hidden_states else None
+
+        layers = (jnp.arange(self.num_layers, dtype=jnp.int32), layer_params)
+        (x, kv_state), inputs = jax.lax.scan(body, (x, kv_state), layers)
+        return self.norm(x), kv_state, inputs
 
     def embed(self, tokens):
         """tokens [T] int32 -> [T, d]. Under tensor parallelism each shard looks up the tokens
