@@ -1,7 +1,7 @@
 """Tensor parallelism: the Megatron layout of the model and the KV pools over a 1-D device mesh.
 
 With `tensor_parallel_size` P > 1 every step runs under `jax.shard_map` over the mesh axis
-`TP_AXIS` (engine/step_program.py): each device runs the unchanged model code, Pallas kernels
+`TP_AXIS` (runtime/step_program.py): each device runs the unchanged model code, Pallas kernels
 included, on its own heads and intermediate rows, with one all-reduce after each row-parallel
 projection. A module is built for one shard (`local_config`), its parameters hold the whole
 (global) arrays laid out so that shard s's block is exactly the rows or columns that module

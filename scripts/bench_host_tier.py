@@ -1,6 +1,7 @@
 """Host tier copy rates: pages of a KV pool written back to pinned host memory and loaded again
-through `HostPagePool` (cache/host_pool.py), as the engine does it: a gather into one block and
-one device-to-host copy per store, one host-to-device copy and a scatter per load.
+through `HostPagePool` (cache/host_pool.py) and `HostBlocks` (runtime/host_blocks.py), as the
+engine does it: a gather into one block and one device-to-host copy per store, one
+host-to-device copy and a scatter per load.
 
     PYTHONPATH=. python3 scripts/bench_host_tier.py --out $OUT/host_tier.json     # GPU
     PYTHONPATH=. python scripts/bench_host_tier.py --model tiny-llama --pages 4,16 # CPU smoke
@@ -23,20 +24,21 @@ import numpy as np
 
 from forkjax.cache import PoolLayout
 from forkjax.cache.host_pool import HostBudget, HostPagePool
+from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 
-def round_trip(pool: HostPagePool, k, v, pages: np.ndarray):
+def round_trip(pool: HostPagePool, blocks: HostBlocks, k, v, pages: np.ndarray):
     """-> (store seconds, load seconds, k, v) for one store of `pages` and its load back."""
     t0 = time.perf_counter()
     ids = pool.store(pages)
-    k, v = pool.execute(k, v)
-    pool.wait()
+    k, v = blocks.execute(pool.take_copies(), k, v)
+    blocks.wait()
     t1 = time.perf_counter()
     pool.load(ids, pages[::-1].copy())
-    k, v = jax.block_until_ready(pool.execute(k, v))
+    k, v = jax.block_until_ready(blocks.execute(pool.take_copies(), k, v))
     t2 = time.perf_counter()
     pool.free(ids)
     return t1 - t0, t2 - t1, k, v
@@ -55,14 +57,15 @@ def main():
                         max(counts) + 1, 1, None)
     shape = (cfg.num_layers, cfg.num_kv_heads, max(counts) + 1, 16, cfg.head_dim)
     k, v = jnp.ones(shape, jnp.bfloat16), jnp.ones(shape, jnp.bfloat16)
-    pool = HostPagePool(2, layout.base_page_bytes, HostBudget(2 * max(counts) * layout.base_page_bytes))
+    pool = HostPagePool(layout.base_page_bytes, HostBudget(2 * max(counts) * layout.base_page_bytes))
+    blocks = HostBlocks(axis=2)
     rows = []
     for n in counts:
         pages = np.arange(1, n + 1, dtype=np.int32)
-        *_, k, v = round_trip(pool, k, v, pages)  # compiles the gather and scatter of this size
+        *_, k, v = round_trip(pool, blocks, k, v, pages)  # compiles the gather and scatter of this size
         times = []
         for _ in range(args.repeats):
-            store_s, load_s, k, v = round_trip(pool, k, v, pages)
+            store_s, load_s, k, v = round_trip(pool, blocks, k, v, pages)
             times.append((store_s, load_s))
         nbytes = n * layout.base_page_bytes
         store, load = (statistics.median(t[i] for t in times) for i in (0, 1))

@@ -81,7 +81,7 @@ def _bounded_programs():
     except OSError:  # not Linux
         return
     if regions > MAX_MAPPED_REGIONS:
-        from forkjax.engine.compiler import COMPILER
+        from forkjax.runtime.compiler import COMPILER
         COMPILER.clear()
         jax.clear_caches()
         gc.collect()

@@ -3,7 +3,7 @@ to the host and stay matchable through `host_continuation`, `load` brings them b
 device pages and keeps the host copy (the next eviction copies nothing), the host drops the
 copies of device nodes before its own LRU leaves, and an insert that meets a host node
 supersedes it.
-The data check runs the host pool's copies on a small device pool whose pages hold the tokens
+The data check runs the host pool's copies (runtime/host_blocks.py) on a small device pool whose pages hold the tokens
 they cache: after any mix of operations every device node's pages hold its own tokens."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from forkjax.cache import RadixTree
 from forkjax.cache.host_pool import HostBudget, HostPagePool
+from forkjax.runtime.host_blocks import HostBlocks
 
 S, NS = 4, "ns"
 
@@ -21,7 +22,8 @@ S, NS = 4, "ns"
 def _tree(device_pages=32, host_pages=64):
     tree = RadixTree.for_test(page_size=S, num_pages=device_pages)
     # One page: its S tokens in K, their negatives in V ([L=1, Hkv=1, P, S, D=1], float32).
-    tree.attach_host(HostPagePool(2, 2 * S * 4, HostBudget(host_pages * 2 * S * 4)))
+    tree.attach_host(HostPagePool(2 * S * 4, HostBudget(host_pages * 2 * S * 4)))
+    tree.blocks = HostBlocks(axis=2)  # the runtime's side of the tier, for the data check
     return tree
 
 
@@ -43,7 +45,7 @@ def _insert(tree, tokens, pool=None):
 
 
 def _run(tree, pool):
-    return tree.host.execute(*pool)
+    return tree.blocks.execute(tree.host.take_copies(), *pool)
 
 
 def _match(tree, tokens):

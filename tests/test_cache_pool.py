@@ -3,7 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from forkjax.cache import PoolLayout, copy_index_arrays, copy_pages, write_kv
+from forkjax.cache import PoolLayout
+from forkjax.pallas_kernels.kv_write.reference import write_kv
+from forkjax.runtime.kv_pools import allocate, copy_index_arrays, copy_pages
 
 LLAMA8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, lora_rank=16, page_size=16)
 GiB = 1 << 30
@@ -46,7 +48,7 @@ def test_too_small_budget_is_a_clear_error():
 def _tiny(policy="forkkv"):
     lay = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=4, lora_rank=3, page_size=4, dtype="float32",
                      base_pages=6, res_pages=5, policy=policy)
-    return lay, lay.allocate()
+    return lay, allocate(lay)
 
 
 def test_allocate_shapes_and_dtype():

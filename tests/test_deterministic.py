@@ -13,7 +13,7 @@ import pytest
 import forkjax
 from conftest import SMALL
 from forkjax.config import ModelConfig
-from forkjax.engine.buckets import Buckets
+from forkjax.runtime.buckets import Buckets
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 

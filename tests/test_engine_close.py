@@ -13,7 +13,7 @@ import time
 import pytest
 
 import forkjax
-from forkjax.engine.compiler import ShapeCompiler
+from forkjax.runtime.compiler import ShapeCompiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Pool shapes no other test file uses: the step programs (COMPILER's keys) are this file's own,

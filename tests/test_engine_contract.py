@@ -163,7 +163,7 @@ def test_background_warmup_serves_while_it_compiles(caplog):
     while not runner.warm:
         assert time.time() < deadline, "background warm-up did not finish"
         time.sleep(0.1)
-    from forkjax.engine.compiler import COMPILER
+    from forkjax.runtime.compiler import COMPILER
     assert all(COMPILER.compiled(runner._key(kind, b, c, w, False, False, False))
                for kind, b, c, w in runner.buckets.all())
     with caplog.at_level(logging.WARNING, logger="forkjax"):

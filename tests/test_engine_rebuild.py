@@ -1,5 +1,5 @@
 """Engines of one model built one after another in one process (a batch-size sweep, a server
-rebuilding its engine) share compiled step programs (engine/compiler.py); each must get programs
+rebuilding its engine) share compiled step programs (runtime/compiler.py); each must get programs
 of its own shapes. Every engine here differs from the one before in one setting, runs a greedy
 request, and must answer as a fresh process would: the float32 engines all give the first one's
 tokens (one request alone: no batch-dependent rounding, no sharing between agents)."""

@@ -6,6 +6,8 @@ each other."""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "forkjax"
@@ -119,3 +121,11 @@ def test_the_front_end_reaches_the_engine_through_the_protocol_only():
                 todo.extend(graph[module])
     assert "forkjax.server.messages" in seen
     assert sorted(m for m in seen if m.startswith("forkjax.engine") or m == "forkjax.server.core_proc") == []
+
+
+def test_the_cache_is_host_bookkeeping():
+    """`import forkjax.cache` loads no jax: pools, trees and the host tier are host data, and the
+    runtime (forkjax.runtime) owns everything on the device."""
+    code = "import sys, forkjax.cache; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from forkjax.cache import KVPools, write_kv
+from forkjax.pallas_kernels.kv_write import KVPools
+from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.kv_write import api as kvw
 from forkjax.pallas_kernels.kv_write import mosaic as kvw_mosaic
 from forkjax.pallas_kernels.paged_attention import api

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from forkjax.cache import KVPools, write_kv
+from forkjax.pallas_kernels.kv_write import KVPools
+from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.kv_write.mosaic import kv_write, supports
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -69,7 +70,7 @@ def test_supports_needs_16_byte_rows():
 
 
 def test_engine_uses_the_kernel_on_a_gpus_kernel_path(monkeypatch):
-    from forkjax.engine import paged_attention as pa
+    from forkjax.runtime import paged_attention as pa
     from forkjax.pallas_kernels.kv_write import mosaic as kvw
     pools, *_ = _case(0, True, jnp.bfloat16)
     monkeypatch.setattr(pa.jax, "default_backend", lambda: "cpu")

@@ -8,8 +8,8 @@ import pytest
 
 import forkjax
 from conftest import SMALL
-from forkjax.engine.input_batch import _padded
-from forkjax.engine.sampler import ProcessArrays, process_logits, top_logprobs
+from forkjax.runtime.input_batch import _padded
+from forkjax.runtime.sampler import ProcessArrays, process_logits, top_logprobs
 from forkjax.engine.sequence import SamplingParams, Status
 
 

@@ -12,7 +12,7 @@ How the engine drives one request (`h = cache.begin(prompt, adapter_key)`):
    Positions below `h.cached_len` (= min of the two, or base_len without a residual) are full
    hits: no compute. Compute positions [h.cached_len, len(prompt)) (at least the last prompt
    token, for its logits), after `base_cow, res_cow = h.reserve(len(prompt))`:
-     * run `copy_pages` for the copy-on-write pairs first (a cached prefix ending inside a page
+     * copy the copy-on-write pairs first (the runtime's `copy_pages`) (a cached prefix ending inside a page
        shares that page; this request gets its own copy before writing its tail into it);
      * `base_slots, res_slots = h.slot_mapping(h.cached_len, len(prompt))` give the write slots,
        0 (the sink) where that pool already has the token. So base hit + residual miss writes the
@@ -39,15 +39,13 @@ from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.dual_cache import DualRadixCache, MatchResult
 from forkjax.cache.hold import PrefixHold
 from forkjax.cache.policy import POLICIES, SHARED, CachePolicy, get_policy
-from forkjax.cache.pool import (KVPools, PoolLayout, copy_index_arrays, copy_pages, residual_copies_for,
-                                write_kv)
+from forkjax.cache.pool import PoolLayout, residual_copies_for
 from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.seq_cache import OutOfPages, SeqCache
 from forkjax.cache.tree_node import TreeNode
 
 __all__ = [
-    "POLICIES", "SHARED", "CachePolicy", "DualRadixCache", "KVPools", "MatchResult", "OutOfPages",
+    "POLICIES", "SHARED", "CachePolicy", "DualRadixCache", "MatchResult", "OutOfPages",
     "PageAllocator", "PoolLayout", "PrefixHold", "RadixTree", "SeqCache", "TreeNode", "adapter_fingerprint",
-    "check_shared_lora_a", "copy_index_arrays", "copy_pages", "get_policy", "residual_copies_for",
-    "write_kv",
+    "check_shared_lora_a", "get_policy", "residual_copies_for",
 ]

@@ -33,7 +33,7 @@ class DualRadixCache:
                  base_page_bytes: int = 1, res_page_bytes: int = 1, host_kv_bytes: int = 0):
         """Host-side bookkeeping only (device-free); page counts include the sink page.
         `host_kv_bytes` > 0: both trees write evicted pages back to host pools sharing that
-        budget (their copies run when the model runner executes `host_pools` before a step)."""
+        budget (the runtime runs their copies, `take_host_copies`, before the next step)."""
         self.policy = get_policy(policy)
         self.page_size = page_size
         self.base_page_bytes, self.res_page_bytes = base_page_bytes, res_page_bytes
@@ -44,11 +44,11 @@ class DualRadixCache:
         self.host_hit_tokens = 0  # of the base hits, tokens loaded from the host tier
         self.host_budget = HostBudget(host_kv_bytes) if host_kv_bytes else None
         self.host_pools: tuple[HostPagePool | None, HostPagePool | None] = (None, None)
-        if self.host_budget is not None:  # page axes: base [L, Hkv, P, S, D], residual [L, P, S, R]
+        if self.host_budget is not None:
             self.host_pools = tuple(
-                None if tree is None else HostPagePool(axis, page_bytes, self.host_budget, device_pages=pages)
-                for tree, axis, page_bytes, pages in ((self.base_tree, 2, base_page_bytes, base_pages),
-                                                      (self.res_tree, 1, res_page_bytes, res_pages)))
+                None if tree is None else HostPagePool(page_bytes, self.host_budget, device_pages=pages)
+                for tree, page_bytes, pages in ((self.base_tree, base_page_bytes, base_pages),
+                                                (self.res_tree, res_page_bytes, res_pages)))
             for tree, host in zip((self.base_tree, self.res_tree), self.host_pools):
                 if tree is not None:
                     tree.attach_host(host)
@@ -177,7 +177,6 @@ class DualRadixCache:
         for host in self.host_pools:
             if host is not None:
                 host.bytes_stored = host.bytes_loaded = 0
-                host.load_stall_s = 0.0
         for tree in (self.base_tree, self.res_tree):
             if tree is not None:
                 tree.evicted_pages = 0
@@ -256,8 +255,12 @@ class DualRadixCache:
             "host_bytes_total": self.host_budget.capacity if self.host_budget else 0,
             "host_bytes_stored": sum(h.bytes_stored for h in hosts),
             "host_bytes_loaded": sum(h.bytes_loaded for h in hosts),
-            "host_load_stall_s": sum(h.load_stall_s for h in hosts),
         }
+
+    def take_host_copies(self) -> tuple[list, list]:
+        """The host tier's queued copies (base pool's, residual pool's; host_pool.py), for the
+        runtime to run before the next step."""
+        return tuple(h.take_copies() if h is not None else [] for h in self.host_pools)
 
     def check(self) -> None:
         """Assert every invariant of both pools (tests call this after each operation)."""

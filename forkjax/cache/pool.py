@@ -1,4 +1,5 @@
-"""Device page pools: sizing from a byte budget, allocation, and the jittable writes into them.
+"""The device page pools' layout: their shapes, and their sizes from a byte budget (host
+arithmetic; the runtime allocates them, runtime/kv_pools.py, and the K/V write op writes them).
 
     base_k, base_v  [L, Hkv, P,  S, D]   x·W (+bias), RoPE applied to K; merged K/V under
                                          `prefix` / `full_reuse`
@@ -18,25 +19,16 @@ three 4.5%.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from forkjax.cache.policy import CachePolicy, get_policy
-from forkjax.tensor_parallel import BASE_POOL_SPEC, RES_POOL_SPEC, sharding
-
-class KVPools(NamedTuple):
-    base_k: jax.Array  # [L, Hkv, P, S, D]
-    base_v: jax.Array  # [L, Hkv, P, S, D]
-    res_k: jax.Array  # [L, Pr, S, R]
-    res_v: jax.Array  # [L, Pr, S, R]
 
 
-# Their PartitionSpecs under tensor parallelism (tensor_parallel.py)
-KV_SPECS = KVPools(BASE_POOL_SPEC, BASE_POOL_SPEC, RES_POOL_SPEC, RES_POOL_SPEC)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
 
 
 class PoolLayout(NamedTuple):
@@ -60,7 +52,7 @@ class PoolLayout(NamedTuple):
         """`kv_cache_bytes`: per device (under tensor parallelism each holds 1/tp of a base page
         and a whole residual page)."""
         policy = get_policy(policy)
-        dtype = jnp.dtype(dtype).name
+        dtype = np.dtype(getattr(ml_dtypes, str(dtype), dtype)).name
         probe = cls(num_layers, num_kv_heads, head_dim, lora_rank, page_size, dtype, 0, 0, policy,
                     tensor_parallel)
         bb, rb = probe.base_page_bytes, probe.res_page_bytes
@@ -86,23 +78,15 @@ class PoolLayout(NamedTuple):
     def base_page_bytes(self) -> int:
         """Bytes of a base page on one device."""
         heads = self.num_kv_heads // self.tensor_parallel
-        return 2 * self.num_layers * heads * self.page_size * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * heads * self.page_size * self.head_dim * _itemsize(self.dtype)
 
     @property
     def res_page_bytes(self) -> int:
-        return 2 * self.num_layers * self.page_size * self.lora_rank * jnp.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * self.page_size * self.lora_rank * _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.base_pages * self.base_page_bytes + self.res_pages * self.res_page_bytes
-
-    def allocate(self) -> KVPools:
-        """Zero-filled device pools (separate from sizing so device-free code never allocates)."""
-        base = (self.num_layers, self.num_kv_heads, self.base_pages, self.page_size, self.head_dim)
-        res = (self.num_layers, self.res_pages, self.page_size, self.lora_rank)
-        on = functools.partial(sharding, self.tensor_parallel)
-        return KVPools(*(jnp.zeros(shape, self.dtype, device=on(spec))
-                         for shape, spec in zip((base, base, res, res), KV_SPECS)))
 
 
 def residual_copies_for(policy: str, adapters: int, max_loras: int, given: int | None = None) -> int:
@@ -112,51 +96,3 @@ def residual_copies_for(policy: str, adapters: int, max_loras: int, given: int |
     if given:
         return given
     return max(1, min(adapters, max_loras - 1)) if get_policy(policy).name == "forkkv" else 1
-
-
-def write_kv(pools: KVPools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None) -> KVPools:
-    """Scatter one layer's new tokens into the pools (pure; call it inside the jitted step).
-
-    layer: int or traced int32 scalar. base_slots: [T] int32 flat slots page·S + offset, 0 where
-    the token must not be written (cached already, padding, or no residual): those writes land in
-    the sink page. k, v: [T, Hkv, D]. xa_k, xa_v: [T, R] with res_slots [T], or [T, J, R] with
-    res_slots [T, J] (a token's own residual row, then other agents' under residual fan-out), or
-    None to leave the residual pool untouched (policies without one).
-    """
-    S = pools.base_k.shape[3]
-    page, off = base_slots // S, base_slots % S
-    # Advanced indices (layer, page, off) around a slice: the indexed shape is [T, Hkv, D].
-    base_k = pools.base_k.at[layer, :, page, off].set(k.astype(pools.base_k.dtype))
-    base_v = pools.base_v.at[layer, :, page, off].set(v.astype(pools.base_v.dtype))
-    res_k, res_v = pools.res_k, pools.res_v
-    if xa_k is not None:
-        flat = res_slots.reshape(-1)
-        rpage, roff = flat // S, flat % S
-        r = xa_k.shape[-1]
-        res_k = res_k.at[layer, rpage, roff].set(xa_k.reshape(-1, r).astype(res_k.dtype))  # [T·J, R]
-        res_v = res_v.at[layer, rpage, roff].set(xa_v.reshape(-1, r).astype(res_v.dtype))
-    return KVPools(base_k, base_v, res_k, res_v)
-
-
-def copy_pages(pools: KVPools, base_src, base_dst, res_src, res_dst) -> KVPools:
-    """Copy-on-write: copy whole pages (every layer) src -> dst. All args [C] int32.
-
-    Pad with (0, 0) pairs to keep C fixed across steps: copying the sink onto itself is a no-op.
-    Run it before the step writes into the destinations.
-    """
-    return KVPools(
-        pools.base_k.at[:, :, base_dst].set(pools.base_k[:, :, base_src]),
-        pools.base_v.at[:, :, base_dst].set(pools.base_v[:, :, base_src]),
-        pools.res_k.at[:, res_dst].set(pools.res_k[:, res_src]),
-        pools.res_v.at[:, res_dst].set(pools.res_v[:, res_src]),
-    )
-
-
-def copy_index_arrays(pairs: list[tuple[int, int]], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(src [size], dst [size]) int32 from (src, dst) pairs, padded with sink-to-sink copies."""
-    if len(pairs) > size:
-        raise ValueError(f"{len(pairs)} copy-on-write pairs exceed the bucket of {size}")
-    out = np.zeros((2, size), np.int32)
-    if pairs:
-        out[:, : len(pairs)] = np.asarray(pairs, np.int32).T
-    return out[0], out[1]

@@ -22,12 +22,10 @@ import time
 import jax
 
 from forkjax.cache import DualRadixCache, PoolLayout
-from forkjax.cache.host_pool import pin_host_tier
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
-from forkjax.engine.buckets import Buckets
-from forkjax.engine.model_runner import Launched, ModelRunner
+from forkjax.runtime.buckets import Buckets
 from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sessions import SESSION_TTL_S
@@ -35,6 +33,8 @@ from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slot_writer import SlotWriter
 from forkjax.lora.slots import AdapterSlots, slot_rank
+from forkjax.runtime.host_blocks import pin_host_tier
+from forkjax.runtime.model_runner import Launched, ModelRunner
 
 
 class EngineCore:
@@ -71,7 +71,7 @@ class EngineCore:
         host_bytes = (memory.host_kv_bytes(cfg.host_kv_bytes, on_gpu, kv_bytes)
                       if cfg.tensor_parallel_size == 1 else 0)
         self.cache = DualRadixCache.from_layout(layout, host_bytes)
-        # The host tier's pinned memory is taken while the warm-up compiles (host_pool.pin_host_tier).
+        # The host tier's pinned memory is taken while the warm-up compiles (host_blocks.pin_host_tier).
         self._pinning = None
         if on_gpu and host_bytes:
             self._pinning = threading.Thread(target=pin_host_tier, name="forkjax-pin-host", daemon=True,
@@ -85,8 +85,10 @@ class EngineCore:
                                    session_ttl_s=_check_ttl(session_ttl_s))
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
-                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=cfg.fanout_width)
+                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=cfg.fanout_width,
+                                  host_tier=tuple(h.max_block if h else 0 for h in self.cache.host_pools))
         self.metrics = EngineStats()
+        self._stall_at_reset = 0.0  # host_load_stall_s at the last reset_stats()
         self.overlap = overlap
         self._inflight: Launched | None = None
         self.warmup_s = 0.0  # seconds spent compiling every shape at start
@@ -95,8 +97,7 @@ class EngineCore:
             raise ValueError(f"warmup={warmup!r}: expected True, False or 'background'")
         if warmup:
             t = time.perf_counter()
-            self.runner.warmup(progress, compile_workers, background=warmup == "background",
-                               host_pools=self.cache.host_pools)
+            self.runner.warmup(progress, compile_workers, background=warmup == "background")
             self.warmup_s = time.perf_counter() - t
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -242,7 +243,8 @@ class EngineCore:
     def stats(self) -> dict:
         """The keys of docs/design.md, Public contracts, and more; counters run from start-up or
         the last reset_stats()."""
-        return self.metrics.snapshot(self.cache, self.scheduler, self.slots)
+        return {**self.metrics.snapshot(self.cache, self.scheduler, self.slots),
+                "host_load_stall_s": self.runner.host_load_stall_s - self._stall_at_reset}
 
     def reset_stats(self) -> dict:
         """Set the counters of `stats()` back to zero (the pools are untouched); returns the
@@ -250,6 +252,7 @@ class EngineCore:
         per interval."""
         s = self.stats()
         self.metrics.reset(self.cache, self.scheduler, self.slots)
+        self._stall_at_reset = self.runner.host_load_stall_s
         return s
 
     def flush_cache(self) -> int:

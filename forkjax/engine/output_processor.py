@@ -12,7 +12,7 @@ tokens are appended, which may stop the request.
 
 from __future__ import annotations
 
-from forkjax.engine.batch import ScheduledBatch
+from forkjax.runtime.batch import ScheduledBatch
 from forkjax.engine.sequence import NonFiniteError, Status
 
 

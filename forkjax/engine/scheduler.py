@@ -29,8 +29,8 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, OutOfPages
 from forkjax.engine.admission import Admission
-from forkjax.engine.batch import BatchRow, ScheduledBatch
-from forkjax.engine.buckets import Buckets
+from forkjax.runtime.batch import BatchRow, ScheduledBatch
+from forkjax.runtime.buckets import Buckets
 from forkjax.engine.inflight import InflightPages, pool_namespaces
 from forkjax.engine.output_processor import SchedulerOutputProcessorMixin
 from forkjax.engine.sequence import Sequence, Status
@@ -115,7 +115,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return None
         self._last_kind = batch.kind
         batch.seqs, batch.chunks = _by_slot(batch.seqs, batch.chunks)
-        batch.rows = [BatchRow.of(seq, start, end) for seq, (start, end) in zip(batch.seqs, batch.chunks)]
+        batch.rows = [_row(seq, start, end) for seq, (start, end) in zip(batch.seqs, batch.chunks)]
         return batch
 
     def _last_in_flight(self, seq: Sequence) -> bool:
@@ -268,7 +268,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             base += b
             res += r
             self._copies[seq.id] = ([], [])
-        return ScheduledBatch(kind, seqs, chunks, base, res, host_pools=self.cache.host_pools)
+        return ScheduledBatch(kind, seqs, chunks, base, res, host_copies=self.cache.take_host_copies())
 
     def _preempt_one(self, protect: Sequence):
         """Free the running request of the youngest workflow (admission.py: the older workflow
@@ -330,3 +330,19 @@ def _by_slot(seqs, chunks):
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
     return [seqs[i] for i in order], [chunks[i] for i in order]
 
+
+def _row(seq: Sequence, start: int, end: int) -> BatchRow:
+    """What the model runner needs of running request `seq`'s positions [start, end)."""
+    h = seq.cache
+    if end - start == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
+        base, res = h.slot_pair(start)
+        tokens, base_slots, res_slots = [seq.token_at(start)], [base], [res]
+    else:
+        tokens = seq.tokens[start:end]
+        base_slots, res_slots = h.slot_mapping(start, end)
+    p = seq.params
+    penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
+    return BatchRow(start, end, tokens, seq.sample_row, base_slots, res_slots,
+                    h.fanout_slots(start, end), h.base_page_table, h.res_page_table, seq.slot,
+                    p, len(seq.output) + seq.pending, seq.output if penalised else None,
+                    seq.req.prompt if p.repetition_penalty != 1 else None)

@@ -10,12 +10,10 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from forkjax.runtime.batch import PENDING
 from forkjax.sampling_params import SamplingParams
 
 _ids = itertools.count()
-# A token sampled by a launched step that has not reached the host yet (overlap scheduling): the
-# next step reads it from the device, the host learns it one step later.
-PENDING = -1
 
 
 class NonFiniteError(RuntimeError):

@@ -1,5 +1,5 @@
 """What an attention backend receives: `QKV`, a layer's q|k|v projection, from which the backend
-(engine/paged_attention.py) builds q and the (base, residual) K and V pairs.
+(runtime/paged_attention.py) builds q and the (base, residual) K and V pairs.
 
 The residual policies store the pairs apart; the merged-pool ones (`prefix`, `full_reuse`) store
 `merged_kv`: K = bK + RoPE(rK·B_k), V = bV + rV·B_v. RoPE is linear, so this equals RoPE of the

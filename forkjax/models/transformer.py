@@ -14,7 +14,7 @@ reaches attention as an int32 scalar (the KV pools carry the same leading axis).
 The forward works on a flat batch of T tokens ordered by adapter slot (see `forkjax.lora.batched`)
 and delegates attention to `attn_fn`, which receives the q|k|v projection (`QKV`) and builds q
 and the (base, residual) K and V pairs from it: the engine's paged attention
-(engine/paged_attention.py).
+(runtime/paged_attention.py).
 """
 
 from __future__ import annotations

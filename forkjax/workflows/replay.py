@@ -53,8 +53,8 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, PoolLayout, residual_copies_for
 from forkjax.config import ModelConfig, default_fanout_width
-from forkjax.engine.buckets import Buckets
-from forkjax.engine.model_runner import Fetched
+from forkjax.runtime.buckets import Buckets
+from forkjax.runtime.model_runner import Fetched
 from forkjax.engine.requests import check_session, slot_fanout
 from forkjax.engine.scheduler import Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence
@@ -272,8 +272,8 @@ class ReplayEngine:
         return list(dict.fromkeys(batch.seqs))
 
     def stats(self) -> dict:
-        """`Engine.stats()`'s keys (agents named by adapter)."""
-        return self.metrics.snapshot(self.cache, self.scheduler, self.slots)
+        """`Engine.stats()`'s keys (agents named by adapter; no load stalls on a virtual clock)."""
+        return {**self.metrics.snapshot(self.cache, self.scheduler, self.slots), "host_load_stall_s": 0.0}
 
     def reset_stats(self) -> dict:
         s = self.stats()

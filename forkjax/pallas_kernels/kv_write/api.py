@@ -1,9 +1,9 @@
-"""A layer's K/V cache writes (`forkjax.cache.write_kv`'s contract), and the only module that
+"""A layer's K/V cache writes (reference.py's `write_kv` is the contract), and the only module that
 picks the backend that runs them (registry.py).
 
 Backends, by name:
     "mosaic"     mosaic.py: one Mosaic GPU kernel for all four pools, in place
-    "reference"  `forkjax.cache.write_kv`: one XLA scatter per pool
+    "reference"  reference.py's `write_kv`: one XLA scatter per pool
 
 backend=None (automatic): "mosaic" where jax runs on a GPU, compiled (interpret=False), and
 `mosaic.supports(pools)` (rows of 16-byte multiples); else "reference" (also on the CPU with
@@ -17,8 +17,9 @@ import functools
 
 import jax
 
-from forkjax.cache import KVPools, write_kv
 from forkjax.pallas_kernels.kv_write import mosaic
+from forkjax.pallas_kernels.kv_write import KVPools
+from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.registry import Backend, Call, Registry
 from forkjax.pallas_kernels.tuning import on_gpu
 

@@ -1,6 +1,6 @@
 """One Mosaic GPU kernel for a layer's K/V cache writes, in place.
 
-`forkjax.cache.write_kv` (the reference) scatters a step's new tokens with one XLA scatter per
+`write_kv` (reference.py) scatters a step's new tokens with one XLA scatter per
 pool: base K, base V, residual K, residual V. In a decode step each of those moves a few rows,
 so its launch and tail are most of its time. Here one CTA per token TMA-copies its rows into
 shared memory and on into every pool: one launch for all four. The pools are aliased inputs and
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forkjax.cache.pool import KVPools
+from forkjax.pallas_kernels.kv_write import KVPools
 
 
 def _kernel(layer_ref, base_slots_ref, res_slots_ref, *refs, page: int, n: int, n_pools: int):
@@ -65,7 +65,7 @@ def kv_write(
     *,
     interpret: bool = False,
 ) -> KVPools:
-    """`write_kv`'s contract (forkjax.cache.pool), one kernel."""
+    """`write_kv`'s contract (reference.py), one kernel."""
     residual = xa_k is not None
     targets = tuple(pools) if residual else tuple(pools[:2])
     rows = [k.astype(pools.base_k.dtype), v.astype(pools.base_v.dtype)]

@@ -25,14 +25,16 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from forkjax.cache import PoolLayout, copy_index_arrays
-from forkjax.engine.buckets import Buckets
-from forkjax.engine.compiler import COMPILER
-from forkjax.engine.input_batch import (batch_shape, build_inputs, dummy_inputs, processing_arrays,
+from forkjax.cache import PoolLayout
+from forkjax.runtime.buckets import Buckets
+from forkjax.runtime import kv_pools
+from forkjax.runtime.compiler import COMPILER
+from forkjax.runtime.host_blocks import HostBlocks
+from forkjax.runtime.input_batch import (batch_shape, build_inputs, dummy_inputs, processing_arrays,
                                         sampling_arrays)
 from forkjax.sampling_params import MAX_LOGPROBS
-from forkjax.engine.batch import ScheduledBatch
-from forkjax.engine.step_program import (HashOnce, copy_pages_program, process_and_sample, sample_padded,
+from forkjax.runtime.batch import ScheduledBatch
+from forkjax.runtime.step_program import (HashOnce, copy_pages_program, process_and_sample, sample_padded,
                                          step_program)
 from forkjax.tensor_parallel import REPLICATED, param_specs, sharding
 
@@ -66,7 +68,10 @@ class Fetched:
 
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
-                 use_pallas: bool, fanout: bool = False, fanout_width: int = 0):
+                 use_pallas: bool, fanout: bool = False, fanout_width: int = 0,
+                 host_tier: tuple[int, int] = (0, 0)):
+        """`host_tier`: the largest block (pages) of the base and residual pools' host tiers
+        (cache/host_pool.py), 0 for none."""
         self.layout = layout
         self.buckets = buckets
         self.num_slots = num_slots
@@ -82,7 +87,10 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         self.tp = model.tp
         self._tp = None if model.tp == 1 else HashOnce((model.tp, tuple(param_specs(state))))
-        self.pools = layout.allocate()
+        self.pools = kv_pools.allocate(layout)
+        self._host_max_blocks = host_tier
+        self.host_blocks = tuple(HostBlocks(axis) if most else None  # page axes: base 2, residual 1
+                                 for axis, most in zip((2, 1), host_tier))
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape),
         # on every device of the mesh under tensor parallelism (where the step's outputs are).
         self.prev_tokens = jnp.zeros(buckets.decode_sizes[-1], jnp.int32,
@@ -108,14 +116,13 @@ class ModelRunner:
             leaves[where[id(old)]] = new
         self.state_leaves = leaves
 
-    def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False,
-               host_pools=(None, None)):
+    def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
         """Compile every bucket's step (compiler.py): now, XLA's compiles on `workers` threads
         (default: the host's cores), or with `background` on threads of their own (default: all
         cores but one) while the engine serves, in the order a first request needs them: one
         request's shapes first, then larger batches. Now, not in the background, also the host
-        tier's copies of `host_pools` (base, residual; they run on the pools, which a serving
-        step donates: in the background they compile when first needed)."""
+        tier's copies (they run on the pools, which a serving step donates: in the background
+        they compile when first needed)."""
         items = [(self._key(kind, b, c, w, False, False, self._width(self.fanout)), self._lowering(kind, b, c, w))
                  for kind, b, c, w in sorted(self.buckets.all(), key=lambda s: (s[3], s[1], s[2]))]
         cores = os.cpu_count() or 1
@@ -136,13 +143,9 @@ class ModelRunner:
             jax.block_until_ready(sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
                                                 sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
-        base, res = host_pools
-        if base is not None:
-            k, v = base.warmup(self.pools.base_k, self.pools.base_v)
-            self.pools = self.pools._replace(base_k=k, base_v=v)
-        if res is not None:
-            k, v = res.warmup(self.pools.res_k, self.pools.res_v)
-            self.pools = self.pools._replace(res_k=k, res_v=v)
+        for i, (blocks, most) in enumerate(zip(self.host_blocks, self._host_max_blocks)):
+            if blocks is not None:
+                self._on_pool(i, lambda k, v: blocks.warmup(most, k, v))  # noqa: B023
         self.warm = True
 
     def stop_warmup(self):
@@ -181,7 +184,7 @@ class ModelRunner:
         before that one has finished."""
         b, c, w = batch_shape(batch, self.buckets)
         t0 = time.perf_counter()
-        self._host_copies(batch.host_pools)
+        self._host_copies(batch.host_copies)
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
         fanout = self._width(self.fanout or any(r.fan_slots for r in batch.rows))
@@ -237,18 +240,23 @@ class ModelRunner:
         return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,
                     use_pallas=self.use_pallas, tp=self._tp)
 
-    def _host_copies(self, host_pools):
-        """Run the host tier's queued write-backs and loads (cache/host_pool.py) before the
-        step: the step may write pages just written back, and reads pages just loaded."""
-        base, res = host_pools
-        pools = self.pools
-        if base is not None and base.pending:
-            k, v = base.execute(pools.base_k, pools.base_v)
-            pools = pools._replace(base_k=k, base_v=v)
-        if res is not None and res.pending:
-            k, v = res.execute(pools.res_k, pools.res_v)
-            pools = pools._replace(res_k=k, res_v=v)
-        self.pools = pools
+    def _host_copies(self, copies):
+        """Run the host tier's write-backs and loads (base pool's, residual pool's;
+        cache/host_pool.py) before the step: the step may write pages just written back, and
+        reads pages just loaded."""
+        for i, (blocks, ops) in enumerate(zip(self.host_blocks, copies)):
+            if ops:
+                self._on_pool(i, lambda k, v: blocks.execute(ops, k, v))  # noqa: B023
+
+    @property
+    def host_load_stall_s(self) -> float:
+        """Host seconds steps waited while the host tier's loads were issued."""
+        return sum(b.load_stall_s for b in self.host_blocks if b is not None)
+
+    def _on_pool(self, i: int, fn):
+        """Replace the K and V of the base (i = 0) or residual (1) pool by fn(k, v)."""
+        k, v = fn(*self.pools[2 * i:2 * i + 2])
+        self.pools = self.pools._replace(**dict(zip(self.pools._fields[2 * i:2 * i + 2], (k, v))))
 
     def _copy(self, base_pairs, res_pairs, size: int | None = None):
         """Dispatch the copy-on-write page copies, padded to a decode bucket with sink-to-sink
@@ -257,5 +265,5 @@ class ModelRunner:
         n = max(len(base_pairs), len(res_pairs))
         size = size or (self.buckets.decode(n) if n <= self.buckets.decode_sizes[-1]
                         else 1 << (n - 1).bit_length())
-        self.pools = copy_pages_program(self.tp)(self.pools, *copy_index_arrays(base_pairs, size),
-                                          *copy_index_arrays(res_pairs, size))
+        self.pools = copy_pages_program(self.tp)(self.pools, *kv_pools.copy_index_arrays(base_pairs, size),
+                                                 *kv_pools.copy_index_arrays(res_pairs, size))

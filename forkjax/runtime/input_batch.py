@@ -14,11 +14,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from forkjax.engine.buckets import Buckets
-from forkjax.engine.paged_attention import PagedMeta
-from forkjax.engine.sampler import ProcessArrays, SamplingArrays
-from forkjax.engine.batch import BatchRow, ScheduledBatch
-from forkjax.engine.sequence import PENDING
+from forkjax.runtime.buckets import Buckets
+from forkjax.runtime.paged_attention import PagedMeta
+from forkjax.runtime.sampler import ProcessArrays, SamplingArrays
+from forkjax.runtime.batch import PENDING, BatchRow, ScheduledBatch
 
 
 @jax.tree_util.register_dataclass

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from forkjax.cache import KVPools
+from forkjax.pallas_kernels.kv_write import KVPools
 from forkjax.models.attention import QKV
 from forkjax.pallas_kernels.kv_write import api as kv_write
 from forkjax.pallas_kernels.paged_attention import api as attention

@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from forkjax.cache import copy_pages
-from forkjax.cache.pool import KV_SPECS
-from forkjax.engine.input_batch import StepInputs
-from forkjax.engine.paged_attention import PagedState, paged_attention
-from forkjax.engine.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
+from forkjax.runtime.input_batch import StepInputs
+from forkjax.runtime.kv_pools import KV_SPECS, copy_pages
+from forkjax.runtime.paged_attention import PagedState, paged_attention
+from forkjax.runtime.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
 from forkjax.models.transformer import ForwardBatch
 from forkjax.tensor_parallel import REPLICATED, shard
 
