@@ -1,10 +1,11 @@
 """Start-up: seconds from launching `python -m forkjax.serve` to /health answering and to the
 first chat completion, with an empty compile cache; with --engine, the same in a fresh Python
 process without HTTP (`Engine.from_pretrained` and one `generate`: the GPU machine has no HTTP
-stack), and also when the background warm-up finishes.
+stack), and also when the background warm-up finishes. --restart: then a second start on the
+compile cache the first filled (a restart), its figures under "restart".
 
     python scripts/bench_startup.py --model smollm2-135m --out startup.json
-    python scripts/bench_startup.py --engine --model llama3-8b-random --out startup.json
+    python scripts/bench_startup.py --engine --restart --model llama3-8b-random --out startup.json -- --warmup=full
 
 The server's own log (weights, lowering, compiling) is kept beside the JSON as startup.log.
 Flags after `--` go to forkjax.serve (e.g. `-- --warmup full`).
@@ -35,6 +36,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import forkjax
 from forkjax.engine.engine import WARMUP_MODES
 model, warmup = sys.argv[1], WARMUP_MODES[sys.argv[3]]
@@ -72,48 +74,48 @@ def main():
     ap.add_argument("--out", default="startup.json")
     ap.add_argument("--limit", type=float, default=600, help="seconds to wait for the server")
     ap.add_argument("--engine", action="store_true", help="in-process engine, no HTTP server")
+    ap.add_argument("--restart", action="store_true", help="a second start on the first's compile cache")
     ap.add_argument("args", nargs="*", help="more flags for forkjax.serve (after --)")
     args = ap.parse_args()
-    if args.engine:
-        with tempfile.TemporaryDirectory() as cache, open(os.path.splitext(args.out)[0] + ".log", "w") as log:
-            result = dict(engine_startup(args, cache, log), model=args.model, mode="engine",
-                          cpu_count=os.cpu_count(), command=" ".join(sys.argv))
-        print(json.dumps(result, indent=1))
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        return
-    base = f"http://127.0.0.1:{args.port}"
-    log_path = os.path.splitext(args.out)[0] + ".log"
-    with tempfile.TemporaryDirectory() as cache, open(log_path, "w") as log:
-        t0 = time.perf_counter()
-        server = subprocess.Popen([sys.executable, "-m", "forkjax.serve", "--model", args.model,
-                                   "--port", str(args.port), "--compilation-cache-dir", cache,
-                                   *args.args], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            ready = None
-            while ready is None and time.perf_counter() - t0 < args.limit:
-                if server.poll() is not None:
-                    sys.exit(f"the server exited with {server.returncode}: see {log_path}")
-                try:
-                    _get(base + "/health")
-                    ready = time.perf_counter() - t0
-                except OSError:
-                    time.sleep(0.25)
-            if ready is None:
-                sys.exit(f"no answer from /health within {args.limit} s: see {log_path}")
-            reply = _get(base + "/v1/chat/completions", {
-                "model": args.model, "max_tokens": 16, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]},
-                timeout=args.limit)
-            first = time.perf_counter() - t0
-        finally:
-            server.terminate()
-            server.wait(60)
-    result = dict(model=args.model, mode="server", ready_s=ready, first_answer_s=first, cpu_count=os.cpu_count(),
-                  answer=reply["choices"][0]["message"]["content"], command=" ".join(sys.argv))
+    start = engine_startup if args.engine else server_startup
+    with tempfile.TemporaryDirectory() as cache, open(os.path.splitext(args.out)[0] + ".log", "w") as log:
+        result = dict(start(args, cache, log), model=args.model, mode="engine" if args.engine else "server",
+                      cpu_count=os.cpu_count(), command=" ".join(sys.argv))
+        if args.restart:
+            result["restart"] = start(args, cache, log)
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def server_startup(args, cache: str, log) -> dict:
+    """Launch the server on compile cache `cache`: seconds to /health and to the first answer."""
+    base = f"http://127.0.0.1:{args.port}"
+    t0 = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "forkjax.serve", "--model", args.model,
+                               "--port", str(args.port), "--compilation-cache-dir", cache,
+                               *args.args], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        ready = None
+        while ready is None and time.perf_counter() - t0 < args.limit:
+            if server.poll() is not None:
+                sys.exit(f"the server exited with {server.returncode}: see {log.name}")
+            try:
+                _get(base + "/health")
+                ready = time.perf_counter() - t0
+            except OSError:
+                time.sleep(0.25)
+        if ready is None:
+            sys.exit(f"no answer from /health within {args.limit} s: see {log.name}")
+        reply = _get(base + "/v1/chat/completions", {
+            "model": args.model, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            timeout=args.limit)
+        first = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(60)
+    return dict(ready_s=ready, first_answer_s=first, answer=reply["choices"][0]["message"]["content"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ the base rows never change, and unloading zeroes the slot (against numpy copies 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from forkjax.config import ModelConfig
 from forkjax.lora.slot_writer import write_slot
@@ -50,25 +51,28 @@ def test_write_slot_touches_only_its_rows():
 
 
 def test_slot_writer_images_are_pinned_and_follow_the_weights():
-    """A registered adapter's slot image waits in pinned host memory (on a GPU); a write replaces exactly
-    the parameters it returns; an adapter reloaded under its name with other weights is written
-    with the new weights, not the old image."""
+    """A registered adapter's slot image waits in pinned host memory (on a GPU); a write replaces
+    the stacked LoRA arrays only (every projection's weight, or q|k|v's once, and every B); an
+    adapter reloaded under its name with other weights is written with the new weights, not the
+    old image."""
     from forkjax.lora.slot_writer import SlotWriter
     cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-qwen2"])
     _, model = load_builtin("tiny-qwen2", num_slots=3, rank=8, dtype=jnp.float32)
     writer = SlotWriter(model)
     old = random_adapter("agent", cfg, 8, 16, ("q_proj", "o_proj"), seed=1)
-    writer.prepare(model, old)
+    writer.prepare(old)
     image = writer._images["agent"][1]
     assert sorted(image) == ["o_proj", "q_proj"]
     on_gpu = jax.default_backend() == "gpu"  # a CPU keeps them as numpy: its device memory is host memory
     assert all(x.sharding.memory_kind == "pinned_host" if on_gpu else isinstance(x, np.ndarray)
                for pair in image.values() for x in pair)
     assert writer.image_bytes("agent") == sum(x.nbytes for pair in image.values() for x in pair)
-    pairs = writer.write(model, 2, old)
-    assert len(pairs) == len(writer._vars) and all(o is not n for o, n in pairs)
+    leaves, treedef = jax.tree.flatten(nnx.state(model))
+    written = writer.write(leaves, 2, old)
+    replaced = [i for i, (a, b) in enumerate(zip(leaves, written)) if a is not b]
+    assert len(replaced) == 4 + 7 and len(written) == len(leaves)  # qkv, o, gate_up, down; 7 B's
     new = random_adapter("agent", cfg, 8, 16, ("q_proj", "o_proj"), seed=2)
-    writer.write(model, 2, new)
+    nnx.update(model, jax.tree.unflatten(treedef, writer.write(written, 2, new)))
     proj = projection(model, "q_proj")
     start = proj.a_rows("q_proj", 2)
     np.testing.assert_array_equal(np.asarray(proj.weight[1])[start:start + 8], new.weights[(1, "q_proj")][0].T)

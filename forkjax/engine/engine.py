@@ -128,7 +128,7 @@ class Engine(EngineCore):
     def _install(self, adapter: LoraAdapter, pinned: bool = False):
         """Register `adapter`; it takes a device slot now if one is free or it is pinned."""
         self.slots.add(adapter, pinned)
-        self.writer.prepare(self.model, adapter)
+        self.writer.prepare(adapter)
         if pinned or len(self.slots.slot_by_name) < self.slots.num_slots - 1:
             while (writes := self.slots.acquire([adapter.name], self.scheduler.busy_adapters)) is None:
                 self.step()  # every unpinned slot is in use: until one is free

@@ -46,7 +46,7 @@ class EngineCore:
                  use_pallas: bool | None = None, warmup: bool | str = True, progress: bool = True,
                  overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
                  session_ttl_s: float = SESSION_TTL_S, compile_workers: int | None = None):
-        self.model_cfg, self.model, self.config, self.tokenizer = model_cfg, model, cfg, tokenizer
+        self.model_cfg, self.config, self.tokenizer = model_cfg, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         on_gpu = jax.default_backend() == "gpu"
@@ -99,6 +99,11 @@ class EngineCore:
             t = time.perf_counter()
             self.runner.warmup(progress, compile_workers, background=warmup == "background")
             self.warmup_s = time.perf_counter() - t
+
+    @property
+    def model(self):
+        """The nnx model over the parameters the model runner holds (a view)."""
+        return self.runner.model
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -212,7 +217,7 @@ class EngineCore:
         step in flight keeps the weights it was launched with (JAX orders the donated update
         after it), and no request in it uses these slots (acquire keeps running ones')."""
         for slot, adapter in writes:
-            self.runner.replace_params(self.writer.write(self.model, slot, adapter))
+            self.runner.write_adapter(self.writer, slot, adapter)
 
     def _finish_inflight(self) -> list[Sequence]:
         if self._inflight is None:

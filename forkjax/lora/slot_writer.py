@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import BASE_SLOT, check_fits, lora_modules, projection, slot_rank
@@ -73,7 +74,8 @@ def _write_slot(weights, bs, image, slot, plan):
 
 class SlotWriter:
     """The slot images of the registered adapters (by name) and the program that writes one
-    into a device slot of `model`'s LoRA projections."""
+    into a device slot of the LoRA projections of a model of `model`'s structure, in its
+    parameters as a flat list (`jax.tree.leaves(nnx.state(model))`: the model runner's)."""
 
     def __init__(self, model, device=None):
         self.modules, self.rank, self.layers = lora_modules(model), slot_rank(model), model.num_layers
@@ -84,31 +86,33 @@ class SlotWriter:
                       if device.platform == "gpu" else None)
         self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self._images: dict[str, tuple[str, dict]] = {}  # name -> (content hash, image)
-        # The variables a write replaces (every LoRA projection's stacked weight, then every B:
-        # a handful, each holding every layer) and the program's plan, fixed by the model.
-        weights, bs, plan = [], [], []
+        # The parameters a write replaces (every LoRA projection's stacked weight, then every B:
+        # a handful, each holding every layer), as indices into the flat list, the program's
+        # plan, and each module's (d_in, d_out, dtype): fixed by the model's structure.
+        index = {id(x): i for i, x in enumerate(jax.tree.leaves(nnx.state(model)))}
+        weights, bs, plan, self._shapes = [], [], [], {}
         for module in self.modules:
             proj = projection(model, module)
             fused = proj.lora_path == "fused"
-            a = proj.weight if fused else proj.lora_a[module]  # q, k and v share one weight
-            if not any(a is w for w in weights):
+            a = index[id((proj.weight if fused else proj.lora_a[module]).get_raw_value())]
+            if a not in weights:  # q, k and v share one weight
                 weights.append(a)
-            plan.append((module, proj.a_rows(module, 0) if fused else None,
-                         next(i for i, w in enumerate(weights) if w is a), len(bs)))
-            bs.append(proj.lora_b[module])
-        self._vars, self._num_weights, self._plan = weights + bs, len(weights), tuple(plan)
+            plan.append((module, proj.a_rows(module, 0) if fused else None, weights.index(a), len(bs)))
+            b = proj.lora_b[module].get_raw_value()
+            bs.append(index[id(b)])
+            self._shapes[module] = (proj.weight.get_raw_value().shape[-1], b.shape[-1], b.dtype)
+        self._leaves, self._num_weights, self._plan = weights + bs, len(weights), tuple(plan)
 
     def image_bytes(self, name: str) -> int:
         """Bytes of a registered adapter's slot image (what a swap copies)."""
         return sum(a.nbytes + b.nbytes for a, b in self._images[name][1].values())
 
-    def prepare(self, model, adapter: LoraAdapter) -> None:
-        """Make `adapter`'s slot image (replacing one of its name): pinned host memory on a GPU."""
-        check_fits(model, adapter)
+    def prepare(self, adapter: LoraAdapter) -> None:
+        """Make `adapter`'s slot image (replacing one of its name): pinned host memory on a GPU.
+        The caller has checked that it fits (slots.check_fits)."""
         image = {}
         for module in sorted(adapter.targets):
-            proj = projection(model, module)
-            d_in, d_out = proj.weight.get_value().shape[-1], proj.lora_b[module].get_value().shape[-1]
+            d_in, d_out, dtype = self._shapes[module]
             a = np.zeros((self.layers, self.rank, d_in), np.float32)
             b = np.zeros((self.layers, self.rank, d_out), np.float32)
             for layer in range(self.layers):
@@ -116,39 +120,42 @@ class SlotWriter:
                     wa, wb = adapter.weights[(layer, module)]  # [in, r], [r, out]
                     a[layer, :wa.shape[1]] = wa.T
                     b[layer, :wb.shape[0]] = wb
-            dtype = proj.weight.get_value().dtype  # ml_dtypes rounds to nearest even, as XLA does
-            pair = (a.astype(dtype), b.astype(dtype))
+            pair = (a.astype(dtype), b.astype(dtype))  # ml_dtypes rounds to nearest even, as XLA does
             image[module] = pair if self._host is None else jax.device_put(pair, self._host)
         self._images[adapter.name] = (adapter.content_hash, image)
 
     def forget(self, name: str) -> None:
         self._images.pop(name, None)
 
-    def write(self, model, slot: int, adapter: LoraAdapter | None) -> list[tuple]:
-        """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`
-        (dispatched; the image is made first if `adapter` was not prepared). -> [(old array,
-        new array)] of the parameters replaced (the old ones are donated)."""
+    def write(self, params: list, slot: int, adapter: LoraAdapter | None) -> list:
+        """Write `adapter` (None: zeros) into `slot` of every LoRA projection -> the flat
+        parameters `params` with those it replaced (donated: the old ones are gone) new
+        (dispatched; the image is made first if `adapter` was not prepared)."""
         if slot == BASE_SLOT and adapter is not None:
             raise ValueError("slot 0 is reserved for the bare base model")
         image = {}
         if adapter is not None:
             if self._images.get(adapter.name, (None,))[0] != adapter.content_hash:
-                self.prepare(model, adapter)
+                self.prepare(adapter)
             image = self._images[adapter.name][1]
             where = self._device if self.tp == 1 else {
                 m: tuple(sharding(self.tp, spec) for spec in specs) for m, specs in image_specs(image).items()}
             image = jax.device_put(image, where)
         plan = tuple((module, module in image, *rest) for module, *rest in self._plan)
-        # The raw values: get_value / set_value copy through a tree map, ~25 µs a variable
-        old = [v.get_raw_value() for v in self._vars]
+        old = [params[i] for i in self._leaves]
         k = self._num_weights
-        new_w, new_b = _write(tuple(old[:k]), tuple(old[k:]), image, jnp.int32(slot), plan, self.tp)
-        for v, value in zip(self._vars, new_w + new_b):
-            v.set_raw_value(value)
-        return list(zip(old, new_w + new_b))
+        new = _write(tuple(old[:k]), tuple(old[k:]), image, jnp.int32(slot), plan, self.tp)
+        params = list(params)
+        for i, value in zip(self._leaves, new[0] + new[1]):
+            params[i] = value
+        return params
 
 
 def write_slot(model, slot: int, adapter: LoraAdapter | None) -> None:
-    """Write `adapter` (None: zeros) into `slot` of every LoRA projection of `model`, once
-    (an engine keeps a `SlotWriter`, whose images outlive a write)."""
-    SlotWriter(model).write(model, slot, adapter)
+    """Write `adapter` (None: zeros) into `slot` of every LoRA projection of the nnx `model`,
+    once (an engine's model runner holds the parameters and the engine a `SlotWriter`, whose
+    images outlive a write)."""
+    if adapter is not None:
+        check_fits(model, adapter)
+    leaves, treedef = jax.tree.flatten(nnx.state(model))
+    nnx.update(model, jax.tree.unflatten(treedef, SlotWriter(model).write(leaves, slot, adapter)))

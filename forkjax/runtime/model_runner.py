@@ -82,7 +82,9 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         self.graphdef, self.state_def = HashOnce(graphdef), HashOnce(treedef)
-        self.state_leaves = leaves  # a flat list: jit's C++ path flattens it in microseconds
+        # The parameters, a flat list (jit's C++ path flattens it in microseconds): their one
+        # holder, which adapter writes replace (`write_adapter`)
+        self.params = leaves
         self._exes: dict = {}  # shape -> executable, this runner's view of COMPILER
         self.vocab_size = model.vocab_size
         self.tp = model.tp
@@ -100,21 +102,23 @@ class ModelRunner:
         # shape's), so that engines of other batch sizes or pools never share a program.
         avals = lambda tree: (jax.tree.structure(tree), tuple(  # noqa: E731
             (x.shape, x.dtype.name) for x in jax.tree.leaves(tree)))
-        self._program = HashOnce((avals(self.state_leaves), avals(self.pools),
+        self._program = HashOnce((avals(self.params), avals(self.pools),
                                   avals(self.prev_tokens), self.residual, use_pallas))
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
 
-    def replace_params(self, pairs) -> None:
-        """[(old array, new array)]: parameters the model replaced (adapter slot writes); shapes
-        never change, so the programs stay (a re-split of the whole model would cost ~15 ms of
-        host time at 32 layers)."""
-        where = {id(x): i for i, x in enumerate(self.state_leaves)}
-        leaves = list(self.state_leaves)
-        for old, new in pairs:
-            leaves[where[id(old)]] = new
-        self.state_leaves = leaves
+    @property
+    def model(self):
+        """The nnx model over the current parameters (a view: a later adapter write donates
+        the arrays it replaces)."""
+        return nnx.merge(self.graphdef.value, jax.tree.unflatten(self.state_def.value, self.params))
+
+    def write_adapter(self, writer, slot: int, adapter) -> None:
+        """Write `adapter` (None: zeros) into device slot `slot` with `writer` (a
+        lora.slot_writer.SlotWriter; dispatched, ordered after the step in flight by the
+        donation). Shapes never change, so the programs stay."""
+        self.params = writer.write(self.params, slot, adapter)
 
     def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
         """Compile every bucket's step (compiler.py): now, XLA's compiles on `workers` threads
@@ -170,7 +174,7 @@ class ModelRunner:
         """The step of `inputs`' shapes, lowered from shapes alone (the pools may be donated
         meanwhile by a step on another thread)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        args = (self.graphdef, self.state_def, jax.tree.map(shape, self.state_leaves),
+        args = (self.graphdef, self.state_def, jax.tree.map(shape, self.params),
                 jax.tree.map(shape, self.pools), inputs, shape(self.prev_tokens))
         program = step_program(inputs.tokens.shape[0])
         return program.trace(*args, **self._static(kind, all_logits, hidden)).lower()
@@ -234,7 +238,7 @@ class ModelRunner:
         return exe(*self._args(inputs)[2:])
 
     def _args(self, inputs) -> tuple:
-        return (self.graphdef, self.state_def, self.state_leaves, self.pools, inputs, self.prev_tokens)
+        return (self.graphdef, self.state_def, self.params, self.pools, inputs, self.prev_tokens)
 
     def _static(self, kind, all_logits, hidden) -> dict:
         return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,

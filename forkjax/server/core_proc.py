@@ -398,6 +398,8 @@ def main():
     import jax
     if spec.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir", spec.compilation_cache_dir)
+    # Every program, however quick to compile: a restart then compiles none of them.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.bind(spec.input_address)
