@@ -326,7 +326,8 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions", *HOST_KEYS, *LORA_KEYS)}, **steps}
+                                         "preemptions", "workflows_suspended", *HOST_KEYS,
+                                         *LORA_KEYS)}, **steps}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

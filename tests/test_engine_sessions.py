@@ -1,6 +1,8 @@
 """Workflow sessions: whole-workflow admission, `session_end`, idle sessions' holds, the
 starvation bound, and suspension when a projection proves wrong."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from forkjax.cache import DualRadixCache
 from forkjax.config import ModelConfig
 from forkjax.engine.inflight import pool_namespaces
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
-from forkjax.engine.sessions import PREFETCH_LEAD_S, Session, Sessions
+from forkjax.engine.sessions import PREFETCH_LEAD_S, STALE_AFTER_S, Session, Sessions
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
@@ -103,6 +105,7 @@ def test_an_idle_sessions_holds_are_taken_before_a_live_workflows():
     old, young = _prompt(7, 200), _prompt(8, 200)
     engine.generate([old], adapters="a0", max_new_tokens=2, session_id="old")
     engine.generate([young], adapters="a0", max_new_tokens=2, session_id="young")
+    time.sleep(STALE_AFTER_S)  # both idle for longer than a client's round trip: gone
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     nxt = engine.add_request(young + [9, 9], "a0", params, session_id="young")  # live again
     big = engine.add_request(_prompt(9, 300), "a0", params)  # needs the pages of one of them
@@ -113,6 +116,36 @@ def test_an_idle_sessions_holds_are_taken_before_a_live_workflows():
     assert engine.cache.match_lengths(young, key)[0] == 192  # the live workflow kept its pages
     assert engine.cache.match_lengths(old, key)[0] < 192  # the idle (older) one gave way
     assert engine.stats()["workflows_suspended"] == 1
+
+
+def test_a_session_between_two_turns_is_not_stale():
+    """A session whose request ended is between two turns, not gone, until STALE_AFTER_S past
+    the pause it announced (`session_next_s`) and past the longest recent wait between two
+    requests of one session: its pages never go to a newcomer in the round trip before its next
+    request (over HTTP a few steps)."""
+    cache = DualRadixCache("prefix", 16, base_pages=32, res_pages=0, base_page_bytes=1024)
+    now = [0.0]
+    sessions = Sessions(cache, clock=lambda: now[0], max_tokens=512)
+
+    def turn(name, at, pause=None):
+        now[0] = at
+        seq = Sequence(Request((1, 2, 3), "a0", "a0", SamplingParams(max_new_tokens=0),
+                               session_id=name, session_next_s=pause))
+        seq.key_ns, seq.arrival = pool_namespaces(cache.policy, seq), at
+        sessions.added(seq)
+        sessions.ended(seq)
+
+    turn("tool", 0.0, pause=0.5)  # a 0.5 s tool call announced
+    turn("quick", 0.0)
+    now[0] = STALE_AFTER_S - 0.01
+    assert sessions.stale() == []
+    now[0] = STALE_AFTER_S + 0.01
+    assert [s.idle_since for s in sessions.stale()] == [0.0] and sessions.stale()[0].pause_s == 0.0
+    now[0] = 0.5 + STALE_AFTER_S + 0.01
+    assert len(sessions.stale()) == 2
+    turn("quick", 3.0)  # its next request came 3 s later: waits that long count as a turn's
+    now[0] = 3.0 + 3.0 + STALE_AFTER_S - 0.01
+    assert [s.pause_s for s in sessions.stale()] == [0.5]
 
 
 @pytest.mark.parametrize("max_wait_s,first", [(1e9, "c"), (0.0, "b")])

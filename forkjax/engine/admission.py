@@ -22,8 +22,9 @@
   a host tier: dual_cache.py) less what the running requests still need by the same count.
 * When none fits (a projection proved wrong, or a request without a session), the oldest
   blocked one (a request's age is its session's, else its own) may take held pages: first those
-  of idle sessions (no request live), longest idle first, then those of younger workflows and
-  waiting requests, youngest first. A session whose holds are taken is suspended whole (it is
+  of idle sessions (no request live, for longer than the usual wait between two turns: a
+  session between turns is about to come back), longest idle first, then those of younger
+  workflows and waiting requests, youngest first. A session whose holds are taken is suspended whole (it is
   recomputed when it comes back through the gate) rather than losing the tails of several.
 * Starvation: a request that has waited `max_wait_s` becomes urgent. Urgent requests go first,
   in arrival order, and one that does not fit stops admission until it does; one whose workflow
@@ -224,12 +225,12 @@ class Admission:
         return max(b, 0), max(r, 0)
 
     def _take_held(self, seq: Sequence, need: tuple[int, int], running, waiting) -> bool:
-        """Release held pages until `seq`'s need fits: idle sessions' (longest idle first), then
-        younger workflows' (their holds and their waiting requests') and younger waiting
-        requests', youngest first; evict what it needs now (else the holds would come back) and
-        suspend the sessions taken from. True if it fits; if it cannot fit, every hold is taken
-        again."""
-        idle = [s for s in self.sessions.idle() if s.holds]
+        """Release held pages until `seq`'s need fits: stale idle sessions' (longest idle first:
+        `Sessions.stale`, not those between two turns), then younger workflows' (their holds
+        and their waiting requests') and younger waiting requests', youngest first; evict what it
+        needs now (else the holds would come back) and suspend the sessions taken from. True if
+        it fits; if it cannot fit, every hold is taken again."""
+        idle = [s for s in self.sessions.stale() if s.holds]
         younger: dict = {s: list(s.holds.values()) for s in self.sessions.by_id.values()
                          if s.start > seq.priority and s not in idle}
         for w in waiting:

@@ -44,9 +44,9 @@ class Gate:
         want = self.sessions.reservation(s)
         if not self._over(want):
             return True
-        now, takeable = self.sessions.clock(), []
-        for x in self.sessions.idle():
-            if x.admitted and now - x.idle_since > self.sessions.longest_gap:
+        takeable = []
+        for x in self.sessions.stale():
+            if x.admitted:
                 takeable.append(x)
                 self._add(x, -1)
                 if not self._over(want) or len(takeable) == len(self.admitted):

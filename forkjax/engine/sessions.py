@@ -55,6 +55,10 @@ SESSION_TTL_S = 30.0
 # next request is due (`session_next_s`): a few steps, ample for a long history's copy (512 MB
 # at the ~40 GB/s of the H200's host link is 13 ms).
 PREFETCH_LEAD_S = 0.25
+# An idle session counts as gone (`Sessions.stale`: its reservation and holds may be taken) this
+# long past its announced pause and the longest recent one: a client's next request comes a
+# round trip after its last answer (milliseconds), its think time is its tool call's.
+STALE_AFTER_S = 1.0
 # Ended sessions whose final length and paths per pool project the next ones.
 HISTORY = 64
 POOLS = ("base", "res")
@@ -295,6 +299,16 @@ class Sessions:
         """Sessions with no request live, longest idle first."""
         return sorted((s for s in self.by_id.values() if s.idle_since is not None),
                       key=lambda s: s.idle_since)
+
+    def stale(self) -> list[Session]:
+        """Idle sessions not between two turns, longest idle first: idle for STALE_AFTER_S
+        longer than the pause they announced (`session_next_s`) and than the longest recent
+        wait between two requests of one session. A client's next request comes a round trip
+        after its last one ended, over HTTP a few steps; a stale session's pages may go before
+        a running workflow's."""
+        now = self.clock()
+        return [s for s in self.idle()
+                if now - s.idle_since > max(s.pause_s, self.longest_gap) + STALE_AFTER_S]
 
     def release_all(self) -> None:
         """Drop every hold (the cache is being flushed); sessions with requests live stay."""

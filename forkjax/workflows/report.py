@@ -31,7 +31,8 @@ def summary_line(row: dict) -> str:
             f"{f('decode_batch_size_mean', '.1f')} (max {row['max_batch_size']}), workflows running "
             f"peak {row.get('workflows_running_peak')}, prefill {row.get('prefill_tokens_computed')} tok"
             f" / minimal {row['prefill_tokens_minimal']} = {f('recompute_ratio', '.3f')}, "
-            f"{row.get('preemptions')} preemptions (run {row['wall_s']:.1f} s, {start})")
+            f"{row.get('preemptions')} preemptions, {row.get('workflows_suspended')} workflows suspended "
+            f"(run {row['wall_s']:.1f} s, {start})")
 
 
 def write_json(path: str, obj: dict):
