@@ -24,9 +24,9 @@ import numpy as np
 
 from forkjax.cache import PoolLayout
 from forkjax.cache.host_pool import HostBudget, HostPagePool
-from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.config import ModelConfig
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.runtime.host_blocks import HostBlocks
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 
 

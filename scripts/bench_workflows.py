@@ -115,8 +115,8 @@ from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, ge
                                longest_request, make_workflows, workflow_source)
 from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
-from forkjax.workflows.runners import InProcess, OverHttp
 from forkjax.workflows.report import summary_line, write_json, write_summary
+from forkjax.workflows.runners import InProcess, OverHttp
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
 

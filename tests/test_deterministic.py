@@ -13,9 +13,9 @@ import pytest
 import forkjax
 from conftest import SMALL
 from forkjax.config import ModelConfig
-from forkjax.runtime.buckets import Buckets
 from forkjax.engine.sequence import SamplingParams
 from forkjax.models.builtin import BUILTIN_CONFIGS, random_adapter
+from forkjax.runtime.buckets import Buckets
 
 TINY = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

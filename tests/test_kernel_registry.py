@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from forkjax.pallas_kernels.kv_write import KVPools
-from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.kv_write import api as kvw
 from forkjax.pallas_kernels.kv_write import mosaic as kvw_mosaic
+from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.paged_attention import api
 from attention_cases import decode_case, make_case
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from forkjax.pallas_kernels.kv_write import KVPools
-from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.kv_write.mosaic import kv_write, supports
+from forkjax.pallas_kernels.kv_write.reference import write_kv
 
 INTERPRET = jax.default_backend() != "gpu"
 

@@ -8,9 +8,9 @@ import pytest
 
 import forkjax
 from conftest import SMALL
+from forkjax.engine.sequence import SamplingParams, Status
 from forkjax.runtime.input_batch import _padded
 from forkjax.runtime.sampler import ProcessArrays, process_logits, top_logprobs
-from forkjax.engine.sequence import SamplingParams, Status
 
 
 def _reference(logits, *, output, pending, prompt, presence, frequency, repetition, bias, banned):

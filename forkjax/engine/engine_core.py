@@ -25,14 +25,14 @@ from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
-from forkjax.runtime.buckets import Buckets
 from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
-from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
+from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slot_writer import SlotWriter
 from forkjax.lora.slots import AdapterSlots, slot_rank
+from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.host_blocks import pin_host_tier
 from forkjax.runtime.model_runner import Launched, ModelRunner
 

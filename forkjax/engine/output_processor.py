@@ -12,8 +12,8 @@ tokens are appended, which may stop the request.
 
 from __future__ import annotations
 
-from forkjax.runtime.batch import ScheduledBatch
 from forkjax.engine.sequence import NonFiniteError, Status
+from forkjax.runtime.batch import ScheduledBatch
 
 
 class SchedulerOutputProcessorMixin:

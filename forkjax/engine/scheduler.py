@@ -29,13 +29,13 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, OutOfPages
 from forkjax.engine.admission import Admission
-from forkjax.runtime.batch import BatchRow, ScheduledBatch
-from forkjax.runtime.buckets import Buckets
 from forkjax.engine.inflight import InflightPages, pool_namespaces
 from forkjax.engine.output_processor import SchedulerOutputProcessorMixin
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 from forkjax.lora.slots import AdapterSlots
+from forkjax.runtime.batch import BatchRow, ScheduledBatch
+from forkjax.runtime.buckets import Buckets
 
 log = logging.getLogger("forkjax")
 

@@ -10,9 +10,8 @@ time for every bucket:
   shape after the other). Serving then never stalls on the compiler.
 - `start_background`: the same on a daemon thread while the engine serves. A request whose
   shape is not compiled yet compiles it when it comes (or waits for the background thread's
-  compile of it), so the first answer needs only the programs it runs: the 30 unrolled layers of
-  a small model take seconds a program to compile on a 2-core CPU, a whole warm-up minutes
-  (BENCHMARKS.md, Start-up).
+  compile of it), so the first answer needs only the programs it runs (BENCHMARKS.md,
+  Start-up).
 
 A background warm-up stops (`BackgroundWarmup.stop`: its engine's `close()`; `stop_background`:
 all of them, at interpreter exit too) once the compiles it already started finish; the programs

@@ -1,5 +1,6 @@
-"""A scheduled batch's rows (batch.py) -> the host arrays of one step program's inputs, padded
-to its bucket.
+"""A scheduled batch's rows (batch.py) -> one step program's inputs, padded to its bucket and
+packed into one int32 host buffer (`InputLayout`): one transfer a step. A decode batch's
+columns are written whole, not row by row.
 
 A step runs B = `b` rows of `c` token positions each (decode: c = 1; extend: a request's chunk,
 padded), T = b·c positions in all, rows ordered by adapter slot (the LoRA matmul groups tokens by
@@ -10,25 +11,75 @@ to slot 0 and padding page-table entries name page 0: the sink page (cache/alloc
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 
+from forkjax.runtime.batch import PENDING, BatchRow, ScheduledBatch
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.paged_attention import PagedMeta
 from forkjax.runtime.sampler import ProcessArrays, SamplingArrays
-from forkjax.runtime.batch import PENDING, BatchRow, ScheduledBatch
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepInputs:
+    """A step's inputs inside the program (`InputLayout.unpack`)."""
     tokens: jax.Array  # [T] int32
     prev_rows: jax.Array  # [T] int32 row of the previous step's sampled output to use, -1: tokens
     positions: jax.Array  # [T] int32
     group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
     meta: PagedMeta
     sample_rows: jax.Array  # [B] int32 row of each request's last token
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLayout:
+    """Where each of a step's int32 inputs lies in the one host buffer that carries them all (one
+    transfer a step, not one per array): a bucket (b rows of c positions, page tables w wide), N
+    adapter slots and fan-out width F fix it. A static argument of the step program."""
+    b: int
+    c: int
+    w: int
+    n: int
+    f: int
+
+    def fields(self) -> list[tuple[str, tuple]]:
+        t, b = self.b * self.c, self.b
+        out = [("tokens", (t,)), ("prev_rows", (t,)), ("positions", (t,)), ("base_slots", (t,)),
+               ("res_slots", (t,)), ("base_pages", (b, self.w)), ("res_pages", (b, self.w)),
+               ("prefix_lengths", (b,)), ("chunk_lengths", (b,)), ("adapter_ids", (b,)),
+               ("group_sizes", (self.n,)), ("sample_rows", (b,))]
+        if self.f:
+            out += [("fan_slots", (t, self.f)), ("fan_adapters", (t, self.f))]
+        return out
+
+    @functools.cached_property
+    def _spans(self) -> list[tuple[str, tuple, int, int]]:
+        spans, start = [], 0
+        for name, shape in self.fields():
+            size = int(np.prod(shape))
+            spans.append((name, shape, start, start + size))
+            start += size
+        return spans
+
+    @property
+    def size(self) -> int:
+        return self._spans[-1][3]
+
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """{field: a view into buf [size] int32, shaped}: written in place on the host."""
+        return {name: buf[s:e].reshape(shape) for name, shape, s, e in self._spans}
+
+    def unpack(self, packed) -> StepInputs:
+        """packed [size] int32 (in the program) -> the StepInputs it carries."""
+        x = {name: packed[s:e].reshape(shape) for name, shape, s, e in self._spans}
+        meta = PagedMeta(x["base_slots"], x["res_slots"], x["base_pages"], x["res_pages"],
+                         x["prefix_lengths"], x["chunk_lengths"], x["adapter_ids"],
+                         x.get("fan_slots"), x.get("fan_adapters"))
+        return StepInputs(x["tokens"], x["prev_rows"], x["positions"], x["group_sizes"], meta,
+                          x["sample_rows"])
 
 
 def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]:
@@ -42,56 +93,56 @@ def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]
     return b, c, w
 
 
-def build_inputs(batch: ScheduledBatch, b: int, c: int, w: int, num_slots: int,
-                 fanout: int) -> tuple[StepInputs, SamplingArrays]:
-    """The step inputs of `batch` in bucket (b, c, w), and its requests' sampling parameters.
-    `fanout`: the fan-out width F, the adapter slots a position writes residuals for besides
-    its own and their residual slots (`PagedMeta.fan_adapters`, `fan_slots`; 0: none)."""
-    t = b * c
-    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    prev_rows = np.full(t, -1, np.int32)
-    base_slots, res_slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    fan_slots = np.zeros((t, fanout), np.int32) if fanout else None
-    fan_adapters = np.zeros((t, fanout), np.int32) if fanout else None
-    base_pt, res_pt = np.zeros((b, w), np.int32), np.zeros((b, w), np.int32)
-    prefix, chunk, adapter = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-    group_sizes = np.zeros(num_slots, np.int32)
-    rows = np.zeros(b, np.int32)
-    samp = sampling_arrays(batch.rows, b)
-    for i, row in enumerate(batch.rows):
-        s, e = row.start, row.end
-        if e - s == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
-            tokens[i * c], positions[i * c] = row.tokens[0], s
-            if tokens[i * c] == PENDING:  # sampled by the previous step, still on the device
-                prev_rows[i * c] = row.prev_row
-            base_slots[i * c], res_slots[i * c] = row.base_slots[0], row.res_slots[0]
+def build_inputs(batch: ScheduledBatch, layout: InputLayout) -> tuple[np.ndarray, SamplingArrays]:
+    """The step inputs of `batch` in its bucket, packed ([layout.size] int32), and its requests'
+    sampling parameters. `layout.f`: the fan-out width F, the adapter slots a position writes
+    residuals for besides its own and their residual slots (`PagedMeta.fan_adapters`,
+    `fan_slots`; 0: none)."""
+    b, c = layout.b, layout.c
+    buf = np.zeros(layout.size, np.int32)
+    x = layout.views(buf)
+    x["prev_rows"][:] = -1
+    tokens, positions, prev_rows = x["tokens"], x["positions"], x["prev_rows"]
+    base_slots, res_slots = x["base_slots"], x["res_slots"]
+    fan_slots, fan_adapters = x.get("fan_slots"), x.get("fan_adapters")
+    base_pt, res_pt, group_sizes = x["base_pages"], x["res_pages"], x["group_sizes"]
+    rows = batch.rows
+    if batch.kind == "decode":  # one position a row: whole columns at once
+        n = len(rows)
+        starts = [r.start for r in rows]
+        toks = [r.tokens[0] for r in rows]
+        tokens[:n] = toks
+        positions[:n] = starts
+        prev_rows[:n] = [r.prev_row if tok == PENDING else -1 for r, tok in zip(rows, toks)]
+        base_slots[:n] = [r.base_slots[0] for r in rows]
+        res_slots[:n] = [r.res_slots[0] for r in rows]
+        x["prefix_lengths"][:n] = starts
+        x["chunk_lengths"][:n] = 1
+        x["adapter_ids"][:n] = adapters = [r.adapter_slot for r in rows]
+        x["sample_rows"][:n] = np.arange(n)
+        np.add.at(group_sizes, adapters, 1)
+        for i, row in enumerate(rows):
             for j, (slot, slots) in enumerate(row.fan_slots.items()):
-                fan_adapters[i * c, j], fan_slots[i * c, j] = slot, slots[0]
-        else:
+                fan_adapters[i, j], fan_slots[i, j] = slot, slots[0]
+    else:
+        for i, row in enumerate(rows):
+            s, e = row.start, row.end
             r = slice(i * c, i * c + e - s)
             tokens[r] = row.tokens
             positions[r] = np.arange(s, e)
             base_slots[r], res_slots[r] = row.base_slots, row.res_slots
             for j, (slot, slots) in enumerate(row.fan_slots.items()):
                 fan_adapters[r, j], fan_slots[r, j] = slot, slots
+            x["prefix_lengths"][i], x["chunk_lengths"][i] = s, e - s
+            x["adapter_ids"][i] = row.adapter_slot
+            group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
+            x["sample_rows"][i] = i * c + e - s - 1
+            if e - s == 1 and row.tokens[0] == PENDING:  # sampled by the previous step
+                prev_rows[i * c] = row.prev_row
+    for i, row in enumerate(rows):
         bpt, rpt = row.base_page_table, row.res_page_table
         base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
-        prefix[i], chunk[i], adapter[i] = s, e - s, row.adapter_slot
-        group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
-        rows[i] = i * c + e - s - 1
-    meta = PagedMeta(base_slots, res_slots, base_pt, res_pt, prefix, chunk, adapter, fan_slots, fan_adapters)
-    return StepInputs(tokens, prev_rows, positions, group_sizes, meta, rows), samp
-
-
-def dummy_inputs(b: int, c: int, w: int, num_slots: int,
-                 fanout: int) -> tuple[StepInputs, SamplingArrays]:
-    """Inputs of bucket (b, c, w) with no request in them: every row padding (warm-up)."""
-    t = b * c
-    z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    meta = PagedMeta(z(t), z(t), z(b, w), z(b, w), z(b), np.full(b, c, np.int32), z(b),
-                     *((z(t, fanout), z(t, fanout)) if fanout else ()))
-    return (StepInputs(z(t), np.full(t, -1, np.int32), z(t), z(num_slots), meta, z(b)),
-            sampling_arrays([], b))
+    return buf, sampling_arrays(rows, b)
 
 
 def sampling_arrays(rows: list[BatchRow], b: int) -> SamplingArrays:

@@ -1,5 +1,6 @@
-"""ModelRunner: the one jit boundary. Parameters are split once; the KV pools are donated state.
-It feeds the programs of step_program.py.
+"""ModelRunner: the one jit boundary and the one holder of device state: the parameters (split
+from the model once, a flat list a few dozen arrays long: the layers are stacked), the KV pools
+(donated state), the host tier's blocks and the compiled programs of step_program.py.
 
 Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
 fixed set of programs serves every batch, compiled at start or in the background while serving
@@ -26,16 +27,16 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from forkjax.cache import PoolLayout
-from forkjax.runtime.buckets import Buckets
 from forkjax.runtime import kv_pools
+from forkjax.runtime.batch import ScheduledBatch
+from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.compiler import COMPILER
 from forkjax.runtime.host_blocks import HostBlocks
-from forkjax.runtime.input_batch import (batch_shape, build_inputs, dummy_inputs, processing_arrays,
-                                        sampling_arrays)
-from forkjax.sampling_params import MAX_LOGPROBS
-from forkjax.runtime.batch import ScheduledBatch
+from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, processing_arrays,
+                                         sampling_arrays)
 from forkjax.runtime.step_program import (HashOnce, copy_pages_program, process_and_sample, sample_padded,
-                                         step_program)
+                                          step_program)
+from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.tensor_parallel import REPLICATED, param_specs, sharding
 
 log = logging.getLogger("forkjax")
@@ -166,18 +167,22 @@ class ModelRunner:
         """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fan-out width)."""
         return (self.graphdef, self.state_def, self._program, *shape)
 
-    def _lowering(self, kind, b, c, w):
-        return lambda: self._lower(kind, False, False,
-                                   dummy_inputs(b, c, w, self.num_slots, self._width(self.fanout))[0])
+    def _layout(self, b, c, w, fanout: int) -> InputLayout:
+        return InputLayout(b, c, w, self.num_slots, fanout)
 
-    def _lower(self, kind, all_logits, hidden, inputs):
-        """The step of `inputs`' shapes, lowered from shapes alone (the pools may be donated
+    def _lowering(self, kind, b, c, w):
+        layout = self._layout(b, c, w, self._width(self.fanout))
+        return lambda: self._lower(kind, False, False, layout)
+
+    def _lower(self, kind, all_logits, hidden, layout: InputLayout):
+        """The step of `layout`'s bucket, lowered from shapes alone (the pools may be donated
         meanwhile by a step on another thread)."""
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         args = (self.graphdef, self.state_def, jax.tree.map(shape, self.params),
-                jax.tree.map(shape, self.pools), inputs, shape(self.prev_tokens))
-        program = step_program(inputs.tokens.shape[0])
-        return program.trace(*args, **self._static(kind, all_logits, hidden)).lower()
+                jax.tree.map(shape, self.pools), jax.ShapeDtypeStruct((layout.size,), jnp.int32),
+                shape(self.prev_tokens))
+        program = step_program(layout.b * layout.c)
+        return program.trace(*args, **self._static(kind, all_logits, hidden, layout)).lower()
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -192,10 +197,11 @@ class ModelRunner:
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
         fanout = self._width(self.fanout or any(r.fan_slots for r in batch.rows))
-        inputs, sampling = build_inputs(batch, b, c, w, self.num_slots, fanout)
+        layout = self._layout(b, c, w, fanout)
+        packed, sampling = build_inputs(batch, layout)
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
-            batch.kind, all_logits, hidden, inputs, (batch.kind, b, c, w, all_logits, hidden, fanout))
+            batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
         processed = any(r.params.processed for r in batch.rows)
         k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in batch.rows) else 0
         logprobs = None
@@ -227,22 +233,19 @@ class ModelRunner:
                        None if logits is None else [logits[r] for r in spans],
                        None if hidden is None else [hidden[:, r] for r in spans], lps)
 
-    def _call(self, kind, all_logits, hidden, inputs, shape):
+    def _call(self, kind, all_logits, hidden, layout, packed, shape):
         exe = self._exes.get(shape)
         if exe is None:
             key = self._key(*shape)
             if self.warm and not COMPILER.compiled(key):
                 log.warning("compiling a new shape after warm-up: %s", shape)
             exe = self._exes[shape] = COMPILER.get(
-                key, lambda: self._lower(kind, all_logits, hidden, inputs))
-        return exe(*self._args(inputs)[2:])
+                key, lambda: self._lower(kind, all_logits, hidden, layout))
+        return exe(self.params, self.pools, packed, self.prev_tokens)
 
-    def _args(self, inputs) -> tuple:
-        return (self.graphdef, self.state_def, self.params, self.pools, inputs, self.prev_tokens)
-
-    def _static(self, kind, all_logits, hidden) -> dict:
-        return dict(kind=kind, all_logits=all_logits, hidden=hidden, residual=self.residual,
-                    use_pallas=self.use_pallas, tp=self._tp)
+    def _static(self, kind, all_logits, hidden, layout) -> dict:
+        return dict(layout=layout, kind=kind, all_logits=all_logits, hidden=hidden,
+                    residual=self.residual, use_pallas=self.use_pallas, tp=self._tp)
 
     def _host_copies(self, copies):
         """Run the host tier's write-backs and loads (base pool's, residual pool's;

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from forkjax.pallas_kernels.kv_write import KVPools
 from forkjax.models.attention import QKV
+from forkjax.pallas_kernels.kv_write import KVPools
 from forkjax.pallas_kernels.kv_write import api as kv_write
 from forkjax.pallas_kernels.paged_attention import api as attention
 

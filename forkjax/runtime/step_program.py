@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from forkjax.runtime.input_batch import StepInputs
+from forkjax.models.transformer import ForwardBatch
+from forkjax.runtime.input_batch import InputLayout
 from forkjax.runtime.kv_pools import KV_SPECS, copy_pages
 from forkjax.runtime.paged_attention import PagedState, paged_attention
 from forkjax.runtime.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
-from forkjax.models.transformer import ForwardBatch
 from forkjax.tensor_parallel import REPLICATED, shard
 
 
@@ -37,23 +37,24 @@ class HashOnce:
                                  and self.value == other.value)
 
 
-def _forward(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
+def _forward(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
              prev_tokens, *, tp: HashOnce | None, **static):
     """The step program: `_step_body`, or under tensor parallelism (`tp`: the size and the
     parameters' PartitionSpecs) that body run per shard (tensor_parallel.py), every output but
     the pools replicated."""
     body = functools.partial(_step_body, graphdef, state_def, **static)
     if tp is None:
-        return body(state_leaves, pools, inputs, prev_tokens)
+        return body(params, pools, packed, prev_tokens)
     size, specs = tp.value
     return shard(body, size, in_specs=(list(specs), KV_SPECS, REPLICATED, REPLICATED),
-                 out_specs=(REPLICATED, KV_SPECS))(state_leaves, pools, inputs, prev_tokens)
+                 out_specs=(REPLICATED, KV_SPECS))(params, pools, packed, prev_tokens)
 
 
-def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inputs: StepInputs,
-               prev_tokens, *, kind: str, all_logits: bool, hidden: bool, residual: bool,
-               use_pallas: bool):
+def _step_body(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
+               prev_tokens, *, layout: InputLayout, kind: str, all_logits: bool, hidden: bool,
+               residual: bool, use_pallas: bool):
     """One forward of a bucketed batch; the pools are donated and come back updated.
+    packed [layout.size] int32: the step's inputs (input_batch.InputLayout).
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
     (overlap scheduling). Returns ((greedy tokens [max_batch] int32, the sampled rows' logits
     [B, vocab] float32, every row's logits [T, vocab] float32 or None, finite [B] bool,
@@ -67,7 +68,8 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
     of its token or of a later one, so the host keeps a chunk out of the trees unless it holds.
     fan_finite[i, j]: every fan-out residual request i wrote for adapter slot j is finite (those
     never reach its own stream: slot j's A applied to its hidden states may overflow alone)."""
-    model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, state_leaves))
+    model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, params))
+    inputs = layout.unpack(packed)
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
     batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
@@ -97,7 +99,7 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, state_leaves, pools, inp
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
-            static_argnames=("kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
+            static_argnames=("layout", "kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
 # XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
 # one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
 _OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}

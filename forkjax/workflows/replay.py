@@ -53,8 +53,6 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, PoolLayout, residual_copies_for
 from forkjax.config import ModelConfig, default_fanout_width
-from forkjax.runtime.buckets import Buckets
-from forkjax.runtime.model_runner import Fetched
 from forkjax.engine.requests import check_session, slot_fanout
 from forkjax.engine.scheduler import Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence
@@ -63,6 +61,8 @@ from forkjax.engine.stats import EngineStats
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.runtime.buckets import Buckets
+from forkjax.runtime.model_runner import Fetched
 from forkjax.workflows.agents import ATTENTION
 from forkjax.workflows.base import MAX_RANDOM_ID
 
