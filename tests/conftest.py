@@ -1,6 +1,5 @@
 import functools
 import gc
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -11,13 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "scripts"))  # as when a script runs
 
-# Many tests compile the same tiny programs, in both xdist workers: share them on disk. XLA's CPU
-# compiles, not the runs, dominate this suite's time on 2 cores; without LLVM's optimisations
-# they take ~30 % less of it. CPU-only machines only: on a GPU the flag would slow the kernels
-# the GPU tests compile. XLA reads it when the client is made, before any test touches a device.
-if not any(d.metadata["Name"].startswith("jax-cuda") for d in importlib.metadata.distributions()):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_backend_optimization_level=0").strip()
+# Many tests compile the same tiny programs, in both xdist workers: share them on disk. (The
+# programs hold one layer body, the layers scanned: with LLVM's optimisations on, the suite
+# compiles a little longer and runs much faster.)
 # Four CPU devices for the tensor-parallel tests' meshes (every other test runs on the first).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
