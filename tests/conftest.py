@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "scripts"))  # as when a script runs
 
-# Many tests compile the same tiny programs, in both xdist workers: share them on disk. (The
-# programs hold one layer body, the layers scanned: with LLVM's optimisations on, the suite
-# compiles a little longer and runs much faster.)
+# Many tests compile the same tiny programs, in both xdist workers: share them on disk. XLA's
+# CPU optimisations stay on: with the layers scanned, the runs cost this suite more than the
+# compiles.
 # Four CPU devices for the tensor-parallel tests' meshes (every other test runs on the first).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
