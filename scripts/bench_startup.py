@@ -47,7 +47,7 @@ if engine.tokenizer is not None and hasattr(engine.tokenizer, "tok"):
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
 else:
-    prompt = list(range(1000, 1030))
+    prompt = list(range(3, 33))  # ids every vocabulary has
 out = engine.generate([prompt], max_new_tokens=16)[0]
 first = time.perf_counter() - t0
 while not engine.runner.warm and warmup:
