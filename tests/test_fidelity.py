@@ -14,7 +14,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_quick_fidelity_run(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fidelity.py"), "--contexts", "1024",
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fidelity.py"), "--contexts", "512",
                           "--tasks", "2", "--policies", "forkkv,full_reuse", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -29,7 +29,7 @@ def test_quick_fidelity_run(tmp_path):
     assert pol["prefix"]["kl"] < 1e-6 and pol["prefix"]["top1"] == 1 and pol["prefix"]["greedy_agreement"] == 1
     assert pol["forkkv"]["kl"] < pol["full_reuse"]["kl"]
     assert pol["forkkv"]["layer_cosine"][-1] > pol["full_reuse"]["layer_cosine"][-1]
-    assert {(r["policy"], r["context"]) for r in result["sweep"]} == {(p, 1024) for p in pol}
+    assert {(r["policy"], r["context"]) for r in result["sweep"]} == {(p, 512) for p in pol}
     assert (tmp_path / "fidelity.png").stat().st_size > 0 and (tmp_path / "sweep.png").stat().st_size > 0
     assert (tmp_path / "rank8" / "layer_cosine.png").stat().st_size > 0
     for m in pol.values():  # forkjax.fidelity's intervals come along
