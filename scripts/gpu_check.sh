@@ -59,6 +59,9 @@
 #           WF_DISTINCT=1: every workflow slot's own agents, into <stage>_distinct/; $WF_MAX_LORAS
 #           device adapter slots, into <stage>..._slots<n>/; WF_HTTP=1: over HTTP, a `python -m
 #           forkjax.serve` process per point, into <stage>..._http/, after the wheels stage)
+#   old     the stages $OLD_STAGES (default: wheels,http) of an older tree, for before/after tables on one
+#           card: `mkdir .old && git archive REV | tar -x -C .old` here, carry `.old`; its results
+#           under $OUT/old/ (its FORKJAX_COMMIT: $OLD_COMMIT)
 #
 # Every results file records $FORKJAX_COMMIT (scripts/provenance.py; pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -234,6 +237,10 @@ PY
             > "$OUT/$name.log" 2>&1
         echo "bench_workflows $name: rc=$?"
         tr '\r' '\n' < "$OUT/$name.log" | grep -E "^$stage|Error" ;;
+    old)
+        mkdir -p "$OUT/old"
+        (cd .old && OUT="$OUT/old" FORKJAX_COMMIT="${OLD_COMMIT:-old}" \
+            bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' ')) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
