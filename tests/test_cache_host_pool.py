@@ -145,8 +145,8 @@ def test_large_stores_in_blocks_of_at_most_max_block_and_warmup_keeps_the_pool()
     want_k = np.asarray(k, np.float32)
     tier = Tier(axis, 2 * k.nbytes // 32, HostBudget(1 << 20))
     pool = tier.pool
-    pool.max_block = 4
-    k, v = tier.blocks.warmup(pool.max_block, k, v)
+    pool.max_block = tier.blocks.max_block = 4
+    k, v = tier.blocks.warmup(k, v)
     assert np.array_equal(page(k, axis, range(1, 32)), np.take(want_k, range(1, 32), axis=axis))
     ids = pool.store(np.arange(1, 12, dtype=np.int32))  # 11 pages: 4, 4, 2, 1
     assert [b.nbytes // pool.page_bytes for b in pool._blocks.values()] == [4, 4, 2, 1]

@@ -27,8 +27,9 @@ import numpy as np
 from forkjax.cache.policy import CachePolicy, get_policy
 
 
-def _itemsize(dtype: str) -> int:
-    return np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+def _dtype(dtype) -> np.dtype:
+    """A dtype or its name, bfloat16 included (ml_dtypes', as jax's), without jax."""
+    return np.dtype(getattr(ml_dtypes, str(dtype), dtype))
 
 
 class PoolLayout(NamedTuple):
@@ -52,7 +53,7 @@ class PoolLayout(NamedTuple):
         """`kv_cache_bytes`: per device (under tensor parallelism each holds 1/tp of a base page
         and a whole residual page)."""
         policy = get_policy(policy)
-        dtype = np.dtype(getattr(ml_dtypes, str(dtype), dtype)).name
+        dtype = _dtype(dtype).name
         probe = cls(num_layers, num_kv_heads, head_dim, lora_rank, page_size, dtype, 0, 0, policy,
                     tensor_parallel)
         bb, rb = probe.base_page_bytes, probe.res_page_bytes
@@ -78,11 +79,11 @@ class PoolLayout(NamedTuple):
     def base_page_bytes(self) -> int:
         """Bytes of a base page on one device."""
         heads = self.num_kv_heads // self.tensor_parallel
-        return 2 * self.num_layers * heads * self.page_size * self.head_dim * _itemsize(self.dtype)
+        return 2 * self.num_layers * heads * self.page_size * self.head_dim * _dtype(self.dtype).itemsize
 
     @property
     def res_page_bytes(self) -> int:
-        return 2 * self.num_layers * self.page_size * self.lora_rank * _itemsize(self.dtype)
+        return 2 * self.num_layers * self.page_size * self.lora_rank * _dtype(self.dtype).itemsize
 
     @property
     def nbytes(self) -> int:

@@ -88,10 +88,11 @@ def _scatter(k, v, block_k, block_v, src, dst, axis):
 
 class HostBlocks:
     """The host blocks of one device pool (`axis`: its page axis, 2 for base K/V [L, Hkv, P, S,
-    D], 1 for the residual's [L, P, S, R]), by the cache's block ids."""
+    D], 1 for the residual's [L, P, S, R]), by the cache's block ids; `max_block`: the largest
+    block in pages (the cache's `HostPagePool.max_block`)."""
 
-    def __init__(self, axis: int, device=None):
-        self.axis = axis
+    def __init__(self, axis: int, max_block: int = 1, device=None):
+        self.axis, self.max_block = axis, max_block
         device = device or jax.devices()[0]
         self._device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self._host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -113,12 +114,12 @@ class HostBlocks:
                 del self._blocks[block]
         return k, v
 
-    def warmup(self, max_block: int, k, v):
+    def warmup(self, k, v):
         """Compile (by running them on the sink page 0) the store and load programs of every
         block size up to `max_block`, so that no copy waits for a compile; returns the pool
         (k, v), donated."""
         size = 1
-        while size <= max_block:
+        while size <= self.max_block:
             pages = jnp.zeros(size, jnp.int32)
             block = jax.device_put(_gather_to(self._host)(k, v, pages, self.axis), self._device)
             k, v = _scatter(k, v, *block, jnp.arange(size, dtype=jnp.int32), pages, self.axis)

@@ -91,8 +91,7 @@ class ModelRunner:
         self.tp = model.tp
         self._tp = None if model.tp == 1 else HashOnce((model.tp, tuple(param_specs(state))))
         self.pools = kv_pools.allocate(layout)
-        self._host_max_blocks = host_tier
-        self.host_blocks = tuple(HostBlocks(axis) if most else None  # page axes: base 2, residual 1
+        self.host_blocks = tuple(HostBlocks(axis, most) if most else None  # page axes: base 2, residual 1
                                  for axis, most in zip((2, 1), host_tier))
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape),
         # on every device of the mesh under tensor parallelism (where the step's outputs are).
@@ -148,9 +147,9 @@ class ModelRunner:
             jax.block_until_ready(sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
                                                 sampling_arrays([], b), len(self.prev_tokens)))
             self._copy([], [], b)
-        for i, (blocks, most) in enumerate(zip(self.host_blocks, self._host_max_blocks)):
+        for i, blocks in enumerate(self.host_blocks):
             if blocks is not None:
-                self._on_pool(i, lambda k, v: blocks.warmup(most, k, v))  # noqa: B023
+                self._on_pool(i, blocks.warmup)
         self.warm = True
 
     def stop_warmup(self):
