@@ -9,6 +9,9 @@
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
 #   det     bench_engine.py --deterministic, B = 1, 16, 64          engine_det.*       ~2 min
 #           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
+#   xla     bench_engine.py decode B = 1, 16 (host-bound steps) under each XLA_FLAGS of  xla/   ~2 min a variant
+#           $XLA_VARIANTS (name=flags;...; default: base, the scanned layers' while loop in one
+#           command buffer, fully unrolled, dynamic-slice fusion)
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
@@ -96,6 +99,16 @@ for stage in "$@"; do
         timeout 300 python3 scripts/bench_kernels.py $args --out "$OUT" > /dev/null 2>&1
         echo "bench_kernels $args: rc=$?"  # it writes bench_kernels.json and bench_kernels.log
         grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log" ;;
+    xla)
+        mkdir -p "$OUT/xla"
+        variants=${XLA_VARIANTS:-"base=;cmdbuf=--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true;unroll=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;dsf=--xla_gpu_enable_dynamic_slice_fusion=true"}
+        IFS=';' read -ra specs <<< "$variants"
+        for spec in "${specs[@]}"; do
+            name=${spec%%=*}
+            XLA_FLAGS="${spec#*=}" run 150 xla/$name.log python3 scripts/bench_engine.py --batches 1,16 \
+                --steps ${ENGINE_STEPS:-12} --prefill-tokens 2048 --out "$OUT/xla/$name.json"
+            grep -E '"(batch|step_ms|ratio)"' "$OUT/xla/$name.json" | tr -d ' \n'; echo
+        done ;;
     large)
         for policy in $(echo "${LARGE_POLICIES:-prefix,forkkv}" | tr , ' '); do
             for ctx in 1024 2048; do

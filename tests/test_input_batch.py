@@ -1,7 +1,7 @@
 """A step's inputs packed into one int32 buffer (runtime/input_batch.py): every field lands where
-the program reads it (`InputLayout.unpack`), against a row-by-row fill written here in numpy;
-a decode batch, whose columns are written whole, packs as the same rows would in an extend
-batch of one position each. Random rows: page tables of any length, PENDING tokens, fan-out."""
+the program reads it (`InputLayout.unpack`), against a row-by-row fill written here in numpy, for
+decode and extend batches. Random rows: page tables of any length, PENDING tokens, fan-out.
+(Decode rows kept across steps: test_decode_rows.py.)"""
 
 import numpy as np
 import pytest
@@ -70,10 +70,3 @@ def test_packed_inputs_hold_every_field(kind, chunk, fan):
     np.testing.assert_array_equal(inputs.sample_rows, got["sample_rows"])
     assert (inputs.meta.fan_slots is None) == (not fan) and sampling.temperature.shape == (8,)
 
-
-def test_a_decode_batch_packs_as_its_rows_would_in_an_extend_batch():
-    rows = _rows(np.random.default_rng(7), 6, 1, (2,))
-    layout = InputLayout(8, 1, 6, 4, 1)
-    decode, _ = build_inputs(ScheduledBatch("decode", [], [], [], [], rows=rows), layout)
-    extend, _ = build_inputs(ScheduledBatch("extend", [], [], [], [], rows=rows), layout)
-    np.testing.assert_array_equal(decode, extend)

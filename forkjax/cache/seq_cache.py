@@ -55,6 +55,14 @@ class PoolSeq:
         cow = num_tokens > self.cached_len and self.cached_len % S != 0 and self.own_from > self.cached_len // S
         return max(0, -(-num_tokens // S) - len(self.pages)), int(cow)
 
+    @property
+    def writable(self) -> int:
+        """Positions [0, writable) that `reserve` makes writable without allocating a page."""
+        S = self.page_size
+        if self.cached_len % S and self.own_from > self.cached_len // S:
+            return self.cached_len  # a write past it copies the shared page first
+        return len(self.pages) * S
+
     def reserve(self, num_tokens: int) -> list[tuple[int, int]]:
         """Make positions [0, num_tokens) writable; returns copy-on-write (src, dst) page pairs."""
         grow, cow = self.to_allocate(num_tokens)
@@ -169,6 +177,9 @@ class SeqCache:
         self.res = res  # None: this request keeps no residual (policy or bare base model)
         self.fanout = fanout or {}
         self.released = False
+        # positions [0, writable) need no `reserve`, as of the last one (0: the tables changed
+        # since): checked for every running request every step, so a plain attribute
+        self.writable = 0
         self._prune_fanout()
 
     @property
@@ -178,6 +189,7 @@ class SeqCache:
     def drop_fanout(self, slot: int) -> None:
         """Stop writing adapter `slot`'s fan-out residuals; pages not inserted yet are freed."""
         self.fanout.pop(slot).release()
+        self.writable = 0
 
     def _prune_fanout(self):
         for slot, pool in list(self.fanout.items()):
@@ -188,6 +200,7 @@ class SeqCache:
     def extend_hits(self, tokens) -> bool:
         """`PoolSeq.extend_hit` in every pool; True if the request now computes less."""
         before = self.cached_len
+        self.writable = 0
         gained = [pool.extend_hit(tokens) for pool in (self.base, self.res) if pool is not None]
         for pool in self.fanout.values():
             pool.extend_hit(tokens)
@@ -228,6 +241,7 @@ class SeqCache:
         if self._count_hits and not self._counted:
             self._counted = True
             self._owner._count_hits(self)
+        self.writable = min(pool.writable for pool in self.pools)
         return base_copies, res_copies
 
     def pages_needed(self, num_tokens: int) -> tuple[int, int]:
@@ -275,6 +289,7 @@ class SeqCache:
         prompt + generated tokens whose K/V is in the cache (not the last sampled token).
         """
         tokens = np.asarray(tokens, np.int32)
+        self.writable = 0
         for pool in self.pools:
             pool.commit(tokens)
 
@@ -283,6 +298,7 @@ class SeqCache:
         if self.released:
             raise ValueError("SeqCache released twice")
         self.released = True
+        self.writable = 0
         for pool in self.pools:
             pool.release()
         self._owner._live.discard(self)

@@ -15,7 +15,8 @@ it is recomputed later, its tokens so far kept).
 A request that could never fit fails at `add` with a clear error and nothing else changes.
 
 The scheduler alone writes a request's state (`Sequence`); a batch leaves it as plain data
-(batch.py) whose rows carry the page tables and write slots the model runner needs.
+(batch.py) whose rows carry the page tables and write slots the model runner needs; a decode
+batch carries only the rows that changed since the model runner last saw them (batch_rows.py).
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import numpy as np
 
 from forkjax.cache import DualRadixCache, OutOfPages
 from forkjax.engine.admission import Admission
+from forkjax.engine.batch_rows import decode_rows, full_row
 from forkjax.engine.inflight import InflightPages, pool_namespaces
 from forkjax.engine.output_processor import SchedulerOutputProcessorMixin
 from forkjax.engine.sequence import Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S, Sessions
 from forkjax.lora.slots import AdapterSlots
-from forkjax.runtime.batch import BatchRow, ScheduledBatch
+from forkjax.runtime.batch import ScheduledBatch
 from forkjax.runtime.buckets import Buckets
 
 log = logging.getLogger("forkjax")
@@ -75,6 +77,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         # the copy-on-write (src, dst) page pairs (base, residual) to run before it writes
         self._seen: dict[int, tuple] = {}
         self._copies: dict[int, tuple[list, list]] = {}
+        # ids of the last decode batch's requests whose rows the model runner holds as they are
+        # (batch_rows.py); persistent_rows=False sends every row whole every step
+        self._fresh: set[int] = set()
+        self.persistent_rows = True
         self.num_preemptions = 0
         self.prefill_tokens_computed = 0
         self.workflows_running_peak = 0  # most sessions with a request running at once
@@ -115,7 +121,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return None
         self._last_kind = batch.kind
         batch.seqs, batch.chunks = _by_slot(batch.seqs, batch.chunks)
-        batch.rows = [_row(seq, start, end) for seq, (start, end) in zip(batch.seqs, batch.chunks)]
+        if batch.kind == "decode":
+            batch.rows, batch.decode = decode_rows(batch.seqs, self._fresh)
+            self._fresh = {s.id for s in batch.seqs} if self.persistent_rows else set()
+        else:
+            batch.rows = [full_row(seq, start, end) for seq, (start, end) in zip(batch.seqs, batch.chunks)]
         return batch
 
     def _last_in_flight(self, seq: Sequence) -> bool:
@@ -240,7 +250,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return self._with_copies("extend", *map(list, zip(*kept)))
 
     def _decode_batch(self, seqs, allow_preempt: bool) -> ScheduledBatch | None:
-        chosen = [seq for seq in seqs if self._reserve(seq, len(seq), allow_preempt)]
+        # most steps reserve nothing: a page lasts page_size steps (a request preempted by an
+        # earlier one's reservation has no cache left)
+        chosen = [seq for seq in seqs if seq.cache is not None and len(seq) <= seq.cache.writable
+                  or self._reserve(seq, len(seq), allow_preempt)]
         chosen = [s for s in chosen if s.status is Status.RUNNING]
         if not chosen:
             return None
@@ -251,6 +264,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         itself as a last resort) when the pools run out. False if it was preempted."""
         while seq.status is Status.RUNNING:
             try:
+                self._fresh.discard(seq.id)  # its page tables may change
                 copies = seq.cache.reserve(num_tokens)
                 self._copies[seq.id] = _merge(self._copies[seq.id], copies)
                 self._forget_dropped_fanout(seq)
@@ -287,6 +301,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence):
+        self._fresh.discard(seq.id)
         seq.cache.release()
         seq.cache = None
         self._copies.pop(seq.id, None)
@@ -330,19 +345,3 @@ def _by_slot(seqs, chunks):
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
     return [seqs[i] for i in order], [chunks[i] for i in order]
 
-
-def _row(seq: Sequence, start: int, end: int) -> BatchRow:
-    """What the model runner needs of running request `seq`'s positions [start, end)."""
-    h = seq.cache
-    if end - start == 1:  # decode: scalars, no numpy temporaries (host time is on the step)
-        base, res = h.slot_pair(start)
-        tokens, base_slots, res_slots = [seq.token_at(start)], [base], [res]
-    else:
-        tokens = seq.tokens[start:end]
-        base_slots, res_slots = h.slot_mapping(start, end)
-    p = seq.params
-    penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
-    return BatchRow(start, end, tokens, seq.sample_row, base_slots, res_slots,
-                    h.fanout_slots(start, end), h.base_page_table, h.res_page_table, seq.slot,
-                    p, len(seq.output) + seq.pending, seq.output if penalised else None,
-                    seq.req.prompt if p.repetition_penalty != 1 else None)

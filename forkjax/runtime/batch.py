@@ -36,6 +36,18 @@ class BatchRow:
 
 
 @dataclasses.dataclass(eq=False)
+class DecodeColumns:
+    """What changes in every row of a decode batch from one step to the next, one entry a row in
+    row order; the rest of a row (page tables, adapter, sampling parameters) persists in the
+    model runner's `DecodeRows` and comes as a `BatchRow` only when it changed."""
+    ids: np.ndarray  # [n] int64 request ids
+    positions: np.ndarray  # [n] int32 the position each row computes
+    tokens: np.ndarray  # [n] int32 its token there; PENDING: sampled on the device
+    prev_rows: np.ndarray  # [n] int32 row of the previous step's output that holds a PENDING token
+    steps: np.ndarray  # [n] int32 tokens generated, pending ones included (the sampler's counter)
+
+
+@dataclasses.dataclass(eq=False)
 class ScheduledBatch:
     kind: str  # "extend" | "decode"
     # ordered by adapter slot (the LoRA matmul groups tokens by slot); a request's consecutive
@@ -44,7 +56,10 @@ class ScheduledBatch:
     chunks: list[tuple[int, int]]  # per entry: positions [start, end) computed this step
     base_copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step writes
     res_copies: list[tuple[int, int]]
-    rows: list[BatchRow] = dataclasses.field(default_factory=list)  # per entry, for the runner
+    # per entry, for the runner; in a decode batch None where the row is as the runner keeps it
+    # (`decode`: what changed in every row)
+    rows: list[BatchRow | None] = dataclasses.field(default_factory=list)
+    decode: DecodeColumns | None = None
     # the host tier's write-backs and loads (base pool's, residual pool's; cache/host_pool.py),
     # run before the step
     host_copies: tuple = ((), ())

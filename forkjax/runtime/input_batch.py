@@ -1,6 +1,6 @@
 """A scheduled batch's rows (batch.py) -> one step program's inputs, padded to its bucket and
-packed into one int32 host buffer (`InputLayout`): one transfer a step. A decode batch's
-columns are written whole, not row by row.
+packed into one int32 host buffer (`InputLayout`): one transfer a step. `build_inputs` writes
+every row of a batch; a decode batch's rows persist across steps instead (decode_rows.py).
 
 A step runs B = `b` rows of `c` token positions each (decode: c = 1; extend: a request's chunk,
 padded), T = b·c positions in all, rows ordered by adapter slot (the LoRA matmul groups tokens by
@@ -82,14 +82,17 @@ class InputLayout:
                           x["sample_rows"])
 
 
-def batch_shape(batch: ScheduledBatch, buckets: Buckets) -> tuple[int, int, int]:
-    """(b, c, w): the bucket of `batch`'s rows, positions per row and page-table width."""
+def batch_shape(batch: ScheduledBatch, buckets: Buckets, pages: int | None = None) -> tuple[int, int, int]:
+    """(b, c, w): the bucket of `batch`'s rows, positions per row and page-table width (`pages`:
+    of its longest request, else read from its rows)."""
     n = len(batch.rows)
     if batch.kind == "decode":
         b, c = buckets.decode(n), 1
     else:
         b, c = buckets.extend(n, max(r.end - r.start for r in batch.rows))
-    w = buckets.width(max(max(len(r.base_page_table), len(r.res_page_table)) for r in batch.rows))
+    if pages is None:
+        pages = max(max(len(r.base_page_table), len(r.res_page_table)) for r in batch.rows)
+    w = buckets.width(pages)
     return b, c, w
 
 
@@ -107,38 +110,20 @@ def build_inputs(batch: ScheduledBatch, layout: InputLayout) -> tuple[np.ndarray
     fan_slots, fan_adapters = x.get("fan_slots"), x.get("fan_adapters")
     base_pt, res_pt, group_sizes = x["base_pages"], x["res_pages"], x["group_sizes"]
     rows = batch.rows
-    if batch.kind == "decode":  # one position a row: whole columns at once
-        n = len(rows)
-        starts = [r.start for r in rows]
-        toks = [r.tokens[0] for r in rows]
-        tokens[:n] = toks
-        positions[:n] = starts
-        prev_rows[:n] = [r.prev_row if tok == PENDING else -1 for r, tok in zip(rows, toks)]
-        base_slots[:n] = [r.base_slots[0] for r in rows]
-        res_slots[:n] = [r.res_slots[0] for r in rows]
-        x["prefix_lengths"][:n] = starts
-        x["chunk_lengths"][:n] = 1
-        x["adapter_ids"][:n] = adapters = [r.adapter_slot for r in rows]
-        x["sample_rows"][:n] = np.arange(n)
-        np.add.at(group_sizes, adapters, 1)
-        for i, row in enumerate(rows):
-            for j, (slot, slots) in enumerate(row.fan_slots.items()):
-                fan_adapters[i, j], fan_slots[i, j] = slot, slots[0]
-    else:
-        for i, row in enumerate(rows):
-            s, e = row.start, row.end
-            r = slice(i * c, i * c + e - s)
-            tokens[r] = row.tokens
-            positions[r] = np.arange(s, e)
-            base_slots[r], res_slots[r] = row.base_slots, row.res_slots
-            for j, (slot, slots) in enumerate(row.fan_slots.items()):
-                fan_adapters[r, j], fan_slots[r, j] = slot, slots
-            x["prefix_lengths"][i], x["chunk_lengths"][i] = s, e - s
-            x["adapter_ids"][i] = row.adapter_slot
-            group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
-            x["sample_rows"][i] = i * c + e - s - 1
-            if e - s == 1 and row.tokens[0] == PENDING:  # sampled by the previous step
-                prev_rows[i * c] = row.prev_row
+    for i, row in enumerate(rows):
+        s, e = row.start, row.end
+        r = slice(i * c, i * c + e - s)
+        tokens[r] = row.tokens
+        positions[r] = np.arange(s, e)
+        base_slots[r], res_slots[r] = row.base_slots, row.res_slots
+        for j, (slot, slots) in enumerate(row.fan_slots.items()):
+            fan_adapters[r, j], fan_slots[r, j] = slot, slots
+        x["prefix_lengths"][i], x["chunk_lengths"][i] = s, e - s
+        x["adapter_ids"][i] = row.adapter_slot
+        group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
+        x["sample_rows"][i] = i * c + e - s - 1
+        if e - s == 1 and row.tokens[0] == PENDING:  # sampled by the previous step
+            prev_rows[i * c] = row.prev_row
     for i, row in enumerate(rows):
         bpt, rpt = row.base_page_table, row.res_page_table
         base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
@@ -163,6 +148,10 @@ def processing_arrays(rows: list[BatchRow], b: int) -> ProcessArrays:
     repetition, pending = np.ones(b, np.float32), np.full(b, -1, np.int32)
     outputs, prompts, bias_ids, biases, banned = [], [], [], [], []
     for i, row in enumerate(rows):
+        if row is None:  # a decode row without processing (a processed one comes whole)
+            for xs in (outputs, prompts, bias_ids, biases, banned):
+                xs.append(())
+            continue
         p = row.params
         presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         if row.tokens[-1] == PENDING:  # its newest token is still on the device

@@ -31,6 +31,7 @@ from forkjax.runtime import kv_pools
 from forkjax.runtime.batch import ScheduledBatch
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.compiler import COMPILER
+from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, processing_arrays,
                                          sampling_arrays)
@@ -91,6 +92,7 @@ class ModelRunner:
         self.tp = model.tp
         self._tp = None if model.tp == 1 else HashOnce((model.tp, tuple(param_specs(state))))
         self.pools = kv_pools.allocate(layout)
+        self.decode_rows = DecodeRows(buckets.decode_sizes[-1], buckets.page_widths[-1], layout.page_size)
         self.host_blocks = tuple(HostBlocks(axis, most) if most else None  # page axes: base 2, residual 1
                                  for axis, most in zip((2, 1), host_tier))
         # The last step's sampled tokens, padded to the largest decode bucket (one fixed shape),
@@ -190,19 +192,21 @@ class ModelRunner:
         logits, `hidden`: every row's hidden states). A PENDING input token is read on the
         device from the previous launch's row `row.prev_row`, so this step can be dispatched
         before that one has finished."""
-        b, c, w = batch_shape(batch, self.buckets)
         t0 = time.perf_counter()
+        decode = batch.kind == "decode"
+        b, c, w = batch_shape(batch, self.buckets, self.decode_rows.update(batch) if decode else None)
         self._host_copies(batch.host_copies)
         if batch.base_copies or batch.res_copies:  # before this step writes into the copies
             self._copy(batch.base_copies, batch.res_copies)
-        fanout = self._width(self.fanout or any(r.fan_slots for r in batch.rows))
+        whole = [r for r in batch.rows if r is not None]  # (a decode batch's changed rows)
+        fanout = self._width(self.fanout or any(r.fan_slots for r in whole))
         layout = self._layout(b, c, w, fanout)
-        packed, sampling = build_inputs(batch, layout)
+        packed, sampling = self.decode_rows.build(batch, layout) if decode else build_inputs(batch, layout)
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
             batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
-        processed = any(r.params.processed for r in batch.rows)
-        k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in batch.rows) else 0
+        processed = any(r.params.processed for r in whole)  # such rows come whole
+        k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0
         logprobs = None
         if processed or k:  # only steps holding such a request pay for the program
             process = processing_arrays(batch.rows, b) if processed else None
@@ -218,9 +222,9 @@ class ModelRunner:
     @staticmethod
     def fetch(launched: Launched) -> Fetched:
         """Wait for a launched batch and read its outputs."""
-        rows, c = launched.batch.rows, launched.chunk
-        n = len(rows)
-        spans = [slice(i * c, i * c + r.end - r.start) for i, r in enumerate(rows)]
+        chunks, c = launched.batch.chunks, launched.chunk
+        n = len(chunks)
+        spans = [slice(i * c, i * c + e - s) for i, (s, e) in enumerate(chunks)]
         logits = None if launched.logits is None else np.asarray(launched.logits)
         hidden = None if launched.hidden is None else np.asarray(launched.hidden)
         lps = None
