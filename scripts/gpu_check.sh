@@ -10,8 +10,8 @@
 #   det     bench_engine.py --deterministic, B = 1, 16, 64          engine_det.*       ~2 min
 #           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
 #   xla     bench_engine.py decode B = 1, 16 (host-bound steps) under each XLA_FLAGS of  xla/   ~2 min a variant
-#           $XLA_VARIANTS (name=flags;...; default: base, the scanned layers' while loop in one
-#           command buffer, fully unrolled, dynamic-slice fusion)
+#           $XLA_VARIANTS (name=flags;...; default: none; the scanned layers' while loop in the
+#           command buffer, unrolled there or not; unrolled in HLO; no command buffers)
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
@@ -101,7 +101,7 @@ for stage in "$@"; do
         grep -E "sweep|^B=|^T=|configs" "$OUT/bench_kernels.log" ;;
     xla)
         mkdir -p "$OUT/xla"
-        variants=${XLA_VARIANTS:-"base=;cmdbuf=--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true;unroll=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;dsf=--xla_gpu_enable_dynamic_slice_fusion=true"}
+        variants=${XLA_VARIANTS:-"base=;while_unrolled=--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true;while=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL;hlo_unroll=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL;no_cmdbuf=--xla_gpu_enable_command_buffer="}
         IFS=';' read -ra specs <<< "$variants"
         for spec in "${specs[@]}"; do
             name=${spec%%=*}
