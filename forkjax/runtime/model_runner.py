@@ -88,6 +88,7 @@ class ModelRunner:
         # holder, which adapter writes replace (`write_adapter`)
         self.params = leaves
         self._exes: dict = {}  # shape -> executable, this runner's view of COMPILER
+        self._layouts: dict = {}  # (b, c, w, fan-out width) -> InputLayout
         self.vocab_size = model.vocab_size
         self.tp = model.tp
         self._tp = None if model.tp == 1 else HashOnce((model.tp, tuple(param_specs(state))))
@@ -169,7 +170,11 @@ class ModelRunner:
         return (self.graphdef, self.state_def, self._program, *shape)
 
     def _layout(self, b, c, w, fanout: int) -> InputLayout:
-        return InputLayout(b, c, w, self.num_slots, fanout)
+        """One InputLayout a shape, kept: its field offsets are computed once."""
+        key = (b, c, w, fanout)
+        if key not in self._layouts:
+            self._layouts[key] = InputLayout(b, c, w, self.num_slots, fanout)
+        return self._layouts[key]
 
     def _lowering(self, kind, b, c, w):
         layout = self._layout(b, c, w, self._width(self.fanout))
