@@ -201,7 +201,7 @@ def main():
     adapters["agent"] = random_adapter("agent", cfg, 16, 32, qkvo, seed=1)
     max_loras = args.max_loras or (4 if args.swap else max(8, max(active, default=0) + 1))
     if args.target_programs:  # read when the steps are traced, i.e. after this
-        triton_attention._TARGET_PROGRAMS = args.target_programs
+        triton_attention.TARGET_PROGRAMS = args.target_programs
     # Bytes read + written per second, timed with CUPTI as the kernels are (a wall-clock pass
     # reads lower, which would flatter the roofline ratio); first: its 4 GiB buffers fit beside
     # nothing else.
@@ -219,7 +219,7 @@ def main():
     result = dict(**run_info(__file__), model=args.model,
                   policy=args.policy, lora_path=args.lora_path,
                   tensor_parallel_size=args.tensor_parallel_size, overlap=engine.overlap, deterministic=args.deterministic,
-                  target_programs=triton_attention._TARGET_PROGRAMS,
+                  target_programs=triton_attention.TARGET_PROGRAMS,
                   load_s=load_s, copy_bandwidth_GBps=bw / 1e9,
                   param_GB=param_bytes(engine) / 1e9, kv_pool_GB=engine.runner.layout.nbytes / 1e9,
                   decode=[])

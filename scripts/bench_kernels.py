@@ -18,6 +18,7 @@ over several disjoint page-table sets (>= 256 MB of cache in all) and reports th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,10 +28,11 @@ import jax
 
 import timing  # scripts/ is on sys.path when this script runs
 from provenance import run_info  # scripts/ is on sys.path when this script runs
-from forkjax.pallas_kernels import residual_attention_extend, unified_attention_extend
+from forkjax.pallas_kernels import (MosaicConfig, TritonConfig, residual_attention_extend,
+                                    unified_attention_extend)
 from forkjax.pallas_kernels.tuning import sm_count
 from kernel_cases import (DT, decode_bytes, decode_fns, extend_flops, make_decode, make_extend,
-                          n_sets_for)
+                          n_sets_for, options, residual_config_class)
 
 LOG = []
 SMOKE = False  # --smoke: tiny sizes in interpret mode on the CPU, to check this script
@@ -65,7 +67,7 @@ def matmul_rate(n=8192):
 def bench_decode_point(B, L, methods, cfg_res, cfg_uni, peak_bw):
     n_sets = n_sets_for(B, L)
     d = make_decode(B, L, n_sets)
-    fns = decode_fns(cfg_res, cfg_uni)
+    fns = decode_fns(cfg_res, cfg_uni, SMOKE)
     row = {"B": B, "L": L, "n_sets": n_sets}
     for name in methods:
         try:
@@ -101,9 +103,10 @@ def bench_extend_point(prefix, T, cfg_res, cfg_uni, peak_flops):
     d = make_extend(prefix, T)
     res = jax.jit(lambda d: residual_attention_extend(
         d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"], d["rpt"], d["prefix"], d["chunk"],
-        d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res))
+        d["bk"], d["bv"], d["aid"], d["inv_freq"], config=cfg_res, interpret=SMOKE))
     uni = jax.jit(lambda d: unified_attention_extend(
-        d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], **cfg_uni))
+        d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], config=cfg_uni,
+        interpret=SMOKE))
     row = {"prefix": prefix, "T": T, "flops": extend_flops(prefix, T)}
     for name, f in (("residual", res), ("unified", uni)):
         try:
@@ -131,15 +134,16 @@ def sweep_decode(B, L, grid, method, peak_bw):
     d = make_decode(B, L, n_sets)
     out = []
     for cfg in grid:
-        fns = decode_fns(cfg, cfg)
+        fns = decode_fns(cfg, cfg, SMOKE)
         try:
             ms, _ = time_ms(jax.jit(fns[method]), (d,), iters=6)
             ms /= n_sets
             out.append((ms, cfg))
             frac = decode_bytes(B, L, method.endswith("residual")) / (ms * 1e-3) / peak_bw
-            log(f"  sweep {method} B={B} L={L} {cfg}: {ms * 1e3:.1f} us ({frac * 100:.0f}%)")
+            log(f"  sweep {method} B={B} L={L} {options(cfg)}: {ms * 1e3:.1f} us "
+                f"({frac * 100:.0f}%)")
         except Exception as e:  # noqa: BLE001
-            log(f"  sweep {method} {cfg}: ERR {type(e).__name__}: {str(e)[:200]}")
+            log(f"  sweep {method} {options(cfg)}: ERR {type(e).__name__}: {str(e)[:200]}")
     del d
     return sorted(out, key=lambda t: t[0])
 
@@ -151,60 +155,60 @@ def sweep_extend(prefix, T, grid, method, peak_flops):
         if method == "residual":
             f = jax.jit(lambda d, cfg=cfg: residual_attention_extend(
                 d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"], d["rpt"], d["prefix"],
-                d["chunk"], d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg))
+                d["chunk"], d["bk"], d["bv"], d["aid"], d["inv_freq"], config=cfg,
+                interpret=SMOKE))
         else:
             f = jax.jit(lambda d, cfg=cfg: unified_attention_extend(
-                d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], **cfg))
+                d["q"], d["kb"], d["vb"], d["bpt"], d["prefix"], d["chunk"], config=cfg,
+                interpret=SMOKE))
         try:
             ms, _ = time_ms(f, (d,), iters=6)
             out.append((ms, cfg))
-            log(f"  sweep extend {method} prefix={prefix} {cfg}: {ms:.3f} ms "
+            log(f"  sweep extend {method} prefix={prefix} {options(cfg)}: {ms:.3f} ms "
                 f"({extend_flops(prefix, T) / (ms * 1e-3) / peak_flops * 100:.0f}% of matmul)")
         except Exception as e:  # noqa: BLE001
-            log(f"  sweep extend {method} {cfg}: ERR {type(e).__name__}: {str(e)[:200]}")
+            log(f"  sweep extend {method} {options(cfg)}: ERR {type(e).__name__}: {str(e)[:200]}")
     return sorted(out, key=lambda t: t[0])
 
 
-def run_sweeps(base, B0, L0, LX, TX, bw, mm, results):
+def run_sweeps(B0, L0, LX, TX, bw, mm, results):
     """Pick block sizes / formulations at B=32, L=8k (decode) and 2k over 8k (extend)."""
-    def c(**kw):
-        return dict(base, **kw)
-
-    res_grid = [c(block_k=bk, num_warps=4, num_stages=2, swap_ab=True) for bk in (64, 32)]
-    uni_grid = [c(block_k=64, num_warps=4, num_stages=ns, swap_ab=False) for ns in (3, 4)]
+    res_grid = [TritonConfig(block_k=bk, num_warps=4, num_stages=2, swap_ab=True)
+                for bk in (64, 32)]
+    uni_grid = [TritonConfig(block_k=64, num_warps=4, num_stages=ns, swap_ab=False)
+                for ns in (3, 4)]
     if SMOKE:
         res_grid, uni_grid = res_grid[1:2], uni_grid[1:2]
     best_r = sweep_decode(B0, L0, res_grid, "residual", bw)
     best_u = sweep_decode(B0, L0, uni_grid, "unified", bw)
-    cfg_res = dict(best_r[0][1]) if best_r else dict(base)
-    cfg_uni = dict(best_u[0][1]) if best_u else dict(base)
     best_k1 = []
     results["sweep_decode"] = {"residual": best_r, "unified": best_u, "splits_b1": best_k1}
-    egrid_u = [c(block_q=bq, block_k=bk, num_warps=nw, swap_ab=False)
+    egrid_u = [TritonConfig(block_q=bq, block_k=bk, num_warps=nw, swap_ab=False)
                for bq, bk, nw in [(32, 64, 4), (64, 64, 8)]]
     # Residual extend: on-chip reconstruction, or merged K/V rebuilt in HBM + unified kernel.
-    egrid_r = ([c(block_q=16, block_k=32, num_warps=4, swap_ab=False, reconstruct_k=True,
-                  materialize=False)]
-               + [dict(g, materialize=True) for g in egrid_u])
+    egrid_r = ([TritonConfig(block_q=16, block_k=32, num_warps=4, swap_ab=False,
+                             reconstruct_k=True, materialize=False)]
+               + [dataclasses.replace(g, materialize=True) for g in egrid_u])
     if SMOKE:
         egrid_r, egrid_u = egrid_r[:1], egrid_u[:1]
     best_er = sweep_extend(LX, TX, egrid_r, "residual", mm)
     best_eu = sweep_extend(LX, TX, egrid_u, "unified", mm)
     results["sweep_extend"] = {"residual": best_er, "unified": best_eu}
-    return (cfg_res, cfg_uni, dict(best_er[0][1]) if best_er else dict(base),
-            dict(best_eu[0][1]) if best_eu else dict(base))
+    return tuple(best[0][1] if best else None for best in (best_r, best_u, best_er, best_eu))
 
 
-def run_split_sweep(base, bw, results):
-    """k_splits at the benchmark point (B=32, L=8k) and at the engine's decode shape (B=64, 2k)."""
+def run_split_sweep(bw, results):
+    """k_splits at the benchmark point (B=32, L=8k) and at the engine's decode shape (B=64, 2k),
+    the residual decode's in the config of the backend its automatic choice runs."""
     points = ((2, 512, (1, 2)),) if SMOKE else ((32, 8192, (2, 4, 8)), (64, 2048, (1, 2, 4)))
+    kind = {"residual": residual_config_class(SMOKE), "unified": TritonConfig}
     results["sweep_splits"] = {
-        f"{method} B={B} L={L}": sweep_decode(B, L, [dict(base, k_splits=k) for k in splits],
+        f"{method} B={B} L={L}": sweep_decode(B, L, [kind[method](k_splits=k) for k in splits],
                                               method, bw)
         for B, L, splits in points for method in ("residual", "unified")}
 
 
-def run_breakdown(base, results):
+def run_breakdown(results):
     """Per-kernel CUPTI times of one decode call (median over calls): the attention kernel
     against the XLA work around it (padding, the K-LoRA operands, the combine)."""
     from jax.experimental.mosaic.gpu import profiler
@@ -213,7 +217,7 @@ def run_breakdown(base, results):
     for B, L in ((2, 512),) if SMOKE else ((32, 8192), (64, 2048)):
         d = make_decode(B, L, n_sets_for(B, L))
         for method in ("mgpu_residual", "unified"):
-            f = jax.jit(decode_fns(dict(base), dict(base))[method])
+            f = jax.jit(decode_fns(interpret=SMOKE)[method])
             _, runs = profiler.measure(f, aggregate=False, iterations=7)(d)
             per_kernel = [(name, statistics.median(run[k][1] for run in runs) * 1e3)
                           for k, (name, _) in enumerate(runs[0])]
@@ -225,21 +229,21 @@ def run_breakdown(base, results):
         del d
 
 
-def run_mgpu_sweep(base, bw, results):
+def run_mgpu_sweep(bw, results):
     """Mosaic GPU decode kernels over (stages, consumers, k_splits), Triton defaults beside."""
     points = ((2, 512),) if SMOKE else ((32, 8192), (64, 2048))
-    grids = {"mgpu_unified": [dict(base, stages=st, consumers=c, k_splits=1)
+    grids = {"mgpu_unified": [MosaicConfig(stages=st, consumers=c, k_splits=1)
                               for st, c in ((3, 1), (4, 2))],
              # shared memory allows 3 stages with one attention warpgroup, 2 with two (Llama-3-8B
              # shape); then fewer CTAs than items (each runs several in turn)
-             "mgpu_residual": [dict(base, stages=st, consumers=c, k_splits=ks)
+             "mgpu_residual": [MosaicConfig(stages=st, consumers=c, k_splits=ks)
                                for st, c, ks in ((3, 1, 1), (3, 1, 2), (2, 1, 1), (2, 2, 1))]
-             + [dict(base, stages=3, consumers=1, k_splits=ks, ctas=sm_count())
+             + [MosaicConfig(stages=3, consumers=1, k_splits=ks, ctas=sm_count())
                 for ks in (1, 2)]}
     results["sweep_mgpu"] = {}
     for B, L in points:
         for method in ("unified", "mgpu_unified", "triton_residual", "mgpu_residual"):
-            cfgs = grids.get(method, [dict(base)])
+            cfgs = grids.get(method, [None])
             results["sweep_mgpu"][f"{method} B={B} L={L}"] = sweep_decode(B, L, cfgs, method, bw)
 
 
@@ -263,7 +267,8 @@ def main():
 
     def save():
         with open(os.path.join(args.out, "bench_kernels.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+            json.dump(results, fh, indent=1,
+                      default=lambda x: options(x) if dataclasses.is_dataclass(x) else str(x))
         with open(os.path.join(args.out, "bench_kernels.log"), "w") as fh:
             fh.write("\n".join(LOG) + "\n")
 
@@ -279,37 +284,29 @@ def main():
     results.update(copy_bw=bw, matmul_flops=mm)
     save()
 
-    base = {"interpret": True} if SMOKE else {}
-    cfg_res, cfg_uni = dict(base), dict(base)
-    cfg_res_ext, cfg_uni_ext = dict(base), dict(base)
+    cfg_res = cfg_uni = cfg_res_ext = cfg_uni_ext = None  # None: the tuned defaults
     B0, L0, LX, TX = (2, 512, 256, 64) if SMOKE else (32, 8192, 8192, 2048)
     if args.breakdown:
-        run_breakdown(base, results)
+        run_breakdown(results)
         save()
         return
     if args.split_sweep or args.mgpu:
-        (run_mgpu_sweep if args.mgpu else run_split_sweep)(base, bw, results)
+        (run_mgpu_sweep if args.mgpu else run_split_sweep)(bw, results)
         save()
         return
     if args.sweep:
-        cfg_res, cfg_uni, cfg_res_ext, cfg_uni_ext = run_sweeps(base, B0, L0, LX, TX, bw, mm,
-                                                                results)
+        cfg_res, cfg_uni, cfg_res_ext, cfg_uni_ext = run_sweeps(B0, L0, LX, TX, bw, mm, results)
         save()
-    log(f"decode configs: residual {cfg_res or 'defaults'}, unified {cfg_uni or 'defaults'}")
-    log(f"extend configs: residual {cfg_res_ext or 'defaults'}, unified {cfg_uni_ext or 'defaults'}")
-    results["configs"] = dict(decode_res=cfg_res, decode_uni=cfg_uni, extend_res=cfg_res_ext,
-                              extend_uni=cfg_uni_ext)
+    results["configs"] = dict(decode_res=options(cfg_res), decode_uni=options(cfg_uni),
+                              extend_res=options(cfg_res_ext), extend_uni=options(cfg_uni_ext))
+    log(f"configs ({{}}: the tuned defaults): {results['configs']}")
 
     points = [(B0, L0)] if args.quick or SMOKE else [(b, l) for b in (1, 8, 32, 128)
                                                           for l in (1024, 8192, 32768)]
     results["decode"] = []
     for B, L in points:
         row = bench_decode_point(B, L, ("residual", "triton_residual", "unified", "jax_paged",
-                                        "naive"),
-                                 {k: v for k, v in cfg_res.items() if k != "k_splits"},
-                                 {k: v for k, v in cfg_uni.items()
-                                  if k not in ("k_splits", "reconstruct_k")},
-                                 bw)
+                                        "naive"), cfg_res, cfg_uni, bw)
         results["decode"].append(row)
         log(fmt_decode(row))
         save()

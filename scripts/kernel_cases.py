@@ -5,6 +5,7 @@ rebuild), and the bytes / FLOPs each point moves."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forkjax.pallas_kernels import residual_attention_decode, unified_attention_decode
+from forkjax.pallas_kernels import (MosaicConfig, TritonConfig, residual_attention_decode,
+                                    unified_attention_decode)
+from forkjax.pallas_kernels.paged_attention.api import backend_for
 from forkjax.pallas_kernels.paged_attention.mosaic import mgpu_residual_decode, mgpu_unified_decode
 from forkjax.rope import rope_cos_sin
 
@@ -52,15 +55,32 @@ def n_sets_for(B, L):
     return int(min(8, max(1, math.ceil(256e6 / per_set))))
 
 
-def decode_fns(cfg_res, cfg_uni):
+def options(cfg) -> dict:
+    """The options a kernel config sets ({} for None), as the benchmarks record them."""
+    return {} if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items()
+                                   if v is not None}
+
+
+def residual_config_class(interpret: bool) -> type:
+    """The config class of the backend `residual_attention_decode` picks at this shape."""
+    sd = jax.ShapeDtypeStruct
+    backend = backend_for("residual_attention_decode", sd((1, HQ, D), DT), sd((HKV, 1, S, D), DT),
+                          sd((1, S, R), DT), interpret=interpret)
+    return MosaicConfig if backend == "mosaic" else TritonConfig
+
+
+def decode_fns(cfg_res=None, cfg_uni=None, interpret=False):
+    """The decode methods by name; the residual ones run with config cfg_res, the unified ones
+    with cfg_uni (None: the tuned defaults; a method takes its backend's config class)."""
     def residual_with(kernel):  # ResidualAttention decode over each page-table set
         return lambda d: [kernel(
             d["q"], d["kb"], d["vb"], d["kr"], d["vr"], d["bpt"][i], d["rpt"][i], d["lengths"],
-            d["bk"], d["bv"], d["aid"], d["inv_freq"], **cfg_res)
+            d["bk"], d["bv"], d["aid"], d["inv_freq"], config=cfg_res, interpret=interpret)
             for i in range(d["bpt"].shape[0])]
 
     def unified_with(kernel):  # unified decode over each page-table set
-        return lambda d: [kernel(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"], **cfg_uni)
+        return lambda d: [kernel(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
+                                 config=cfg_uni, interpret=interpret)
                           for i in range(d["bpt"].shape[0])]
 
     def jax_paged(d):
@@ -69,7 +89,6 @@ def decode_fns(cfg_res, cfg_uni):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from jax.experimental.pallas.ops.gpu import paged_attention as pa
-        interpret = cfg_uni.get("interpret", False)  # the CPU check runs it interpreted
         return [pa.paged_attention(d["q"], d["kb"], d["vb"], d["bpt"][i], d["lengths"],
                                    k_splits=4 if interpret else 16, interpret=interpret)
                 for i in range(d["bpt"].shape[0])]
@@ -91,7 +110,8 @@ def decode_fns(cfg_res, cfg_uni):
             k = k.reshape(HKV, B * M, S, D)
             v = v.reshape(HKV, B * M, S, D)
             pt = jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
-            outs.append(unified_attention_decode(d["q"], k, v, pt, d["lengths"], **cfg_uni))
+            outs.append(unified_attention_decode(d["q"], k, v, pt, d["lengths"], config=cfg_uni,
+                                                 interpret=interpret))
         return outs
 
     return {"residual": residual_with(residual_attention_decode),

@@ -1,8 +1,10 @@
 """The kernels' backend registries (pallas_kernels/*/api.py): a backend by name runs that
-backend, a name an op lacks or a call a backend cannot take raises a ValueError, and the
-automatic choice picks the Mosaic kernels only on a GPU, compiled, untuned and where they
-support the shapes: Triton (or XLA's scatters for the K/V write) everywhere else."""
+backend, a name an op lacks or a call a backend cannot take raises a ValueError, a kernel config
+runs the backend of its class (and must match a named one), and the automatic choice picks the
+Mosaic kernels only on a GPU, compiled and where they support the shapes: Triton (or XLA's
+scatters for the K/V write) everywhere else. The configs' tuned tables fill their None fields."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +17,8 @@ from forkjax.pallas_kernels.kv_write import api as kvw
 from forkjax.pallas_kernels.kv_write import mosaic as kvw_mosaic
 from forkjax.pallas_kernels.kv_write.reference import write_kv
 from forkjax.pallas_kernels.paged_attention import api
+from forkjax.pallas_kernels.paged_attention.api import MosaicConfig, TritonConfig
+from forkjax.pallas_kernels.tuning import sm_count
 from attention_cases import decode_case, make_case
 
 sd = jax.ShapeDtypeStruct
@@ -102,8 +106,9 @@ def test_automatic_choice_on_a_gpu(on_gpu):
     choose = functools.partial(api.backend_for, "residual_attention_decode")
     assert choose(Q, KB, KR) == "mosaic" == choose(Q, KB, KR, interpret=None)
     assert choose(Q, KB, KR, interpret=True) == "triton"  # the reliable interpreter
-    assert choose(Q, KB, KR, block_k=32) == "triton"  # Triton tuning asked for
-    assert choose(Q, KB, KR, k_splits=4) == "mosaic"  # (both take k_splits)
+    assert choose(Q, KB, KR, config=TritonConfig(block_k=32)) == "triton"  # Triton's options
+    assert choose(Q, KB, KR, config=TritonConfig(k_splits=4)) == "triton"
+    assert choose(Q, KB, KR, config=MosaicConfig(k_splits=4)) == "mosaic"
     assert choose(sd((4, 8, 40), BF16), sd((2, 50, 16, 40), BF16), KR) == "triton"  # D = 40
     assert choose(Q, KB, KR, backend="reference") == "reference"
     for op in ("residual_attention_extend", "unified_attention_decode",
@@ -119,3 +124,53 @@ def test_automatic_choice_on_a_gpu(on_gpu):
     assert kvw.kv_writer(pools, backend="reference") is write_kv
     small = pools._replace(res_k=sd((2, 5, 16, 4), BF16))
     assert kvw.kv_writer(small) is write_kv
+
+
+def test_configs_pick_their_backend_and_must_match_a_named_one():
+    choose = functools.partial(api.backend_for, "residual_attention_decode", Q, KB, KR)
+    for op in api.BACKENDS:
+        assert api.backend_for(op, Q, KB, KR, config=TritonConfig(k_splits=2)) == "triton"
+    assert choose(config=MosaicConfig()) == "mosaic" == choose(config=MosaicConfig(),
+                                                                 interpret=True)
+    for backend, config, match in (
+            ("triton", MosaicConfig(), "backend 'triton' takes a TritonConfig, not a MosaicConfig"),
+            ("mosaic", TritonConfig(), "backend 'mosaic' takes a MosaicConfig, not a TritonConfig"),
+            ("reference", TritonConfig(), "backend 'reference' takes no config, not a Triton")):
+        with pytest.raises(ValueError, match=match):
+            choose(backend=backend, config=config)
+    with pytest.raises(ValueError, match="unified_attention_decode: no backend takes a Mosaic"):
+        api.backend_for("unified_attention_decode", Q, KB, config=MosaicConfig())
+    with pytest.raises(ValueError, match="backend 'mosaic' does not support .*D=40"):
+        api.backend_for("residual_attention_decode", sd((4, 8, 40), BF16),
+                        sd((2, 50, 16, 40), BF16), KR, config=MosaicConfig())
+    with pytest.raises(ValueError, match="backend 'mosaic' does not support"):  # shared memory
+        choose(config=MosaicConfig(stages=4, consumers=2))
+    c = decode_case(2, [5, 37], dtype=np.float32)  # as called, too
+    with pytest.raises(ValueError, match="takes a TritonConfig, not a MosaicConfig"):
+        api.residual_attention_decode(*_decode_args(c), backend="triton", config=MosaicConfig(),
+                                      interpret=True)
+
+
+def test_tuned_tables_fill_none_fields():
+    """Off a GPU (and for device kinds without an entry) the H200's values; given fields stay.
+    Configs are frozen and hashable: static arguments of the jitted functions."""
+    shape = dict(batch=4, kv_heads=8, group=4, page_size=16)
+    decode = TritonConfig().resolve(residual=True, tokens=1, pages=50, **shape)
+    assert decode == TritonConfig(block_q=1, block_k=64, k_splits=13, num_warps=4, num_stages=2,
+                                  reconstruct_k=False, swap_ab=True, materialize=False)
+    extend = TritonConfig(block_k=16, swap_ab=True).resolve(residual=True, tokens=64, pages=8,
+                                                           **dict(shape, batch=1))
+    assert extend == TritonConfig(block_q=16, block_k=16, k_splits=8, num_warps=4, num_stages=2,
+                                  reconstruct_k=True, swap_ab=True, materialize=True)
+    unified = TritonConfig().resolve(residual=False, tokens=100, pages=64, **dict(shape, batch=2))
+    assert unified == TritonConfig(block_q=32, block_k=64, k_splits=16, num_warps=4, num_stages=2,
+                                   reconstruct_k=True, swap_ab=False, materialize=False)
+    splits = sm_count() // 32
+    assert MosaicConfig().resolve(True, 32, 128) == MosaicConfig(
+        k_splits=splits, stages=3, consumers=1, ctas=32 * splits)
+    assert MosaicConfig(ctas=7).resolve(False, 32, 128) == MosaicConfig(
+        k_splits=1, stages=4, consumers=2, ctas=7)
+    config = TritonConfig(block_k=32)
+    assert hash(config) == hash(TritonConfig(block_k=32)) and {config: 1}[TritonConfig(block_k=32)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_k = 64

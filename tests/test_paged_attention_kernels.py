@@ -3,7 +3,8 @@ api.py) against an independent float64 numpy model.
 
 On the CPU the kernels run in Pallas interpret mode (the Triton kernel: api.py's automatic
 choice when interpreted); on a GPU the same tests run the compiled kernels the
-automatic choice picks there. Grids are kept small so the CPU run stays short.
+automatic choice picks there, or the Triton kernel where a test passes a TritonConfig. Grids
+are kept small so the CPU run stays short.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from forkjax.pallas_kernels import (
+    TritonConfig,
     residual_attention_decode,
     residual_attention_decode_reference,
     residual_attention_extend,
@@ -55,7 +57,8 @@ def run_extend(c, **kw):
 def test_decode_lengths_f32(k_splits, reconstruct_k, swap_ab):
     """Lengths 1, 37, 513 and page-aligned ones, mixed adapters (one v-only), NaN pages."""
     c = decode_case(0, [1, 37, 513, 512, 16, 48], dtype=np.float32)
-    out = run_decode(c, k_splits=k_splits, reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+    out = run_decode(c, config=TritonConfig(k_splits=k_splits, reconstruct_k=reconstruct_k,
+                                            swap_ab=swap_ab))
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 1e-3, err
 
@@ -68,7 +71,7 @@ def test_decode_lengths_f32(k_splits, reconstruct_k, swap_ab):
 ])
 def test_decode_ranks_and_gqa(r, group, dtype):
     c = decode_case(1, [1, 37, 100, 64], r=r, group=group, dtype=dtype)
-    out = run_decode(c, k_splits=2)
+    out = run_decode(c, config=TritonConfig(k_splits=2))
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < TOL[dtype], err
 
@@ -91,7 +94,8 @@ def test_decode_rope_far_from_zero():
     c = decode_case(3, [30037], hkv=1, group=4, s=32, lora_scale=2.0, dtype=np.float32,
                     rope_base=500000.0)
     # Big blocks keep the interpreted loop short; on the GPU they would not fit shared memory.
-    out = run_decode(c, sm_scale=0.5, block_k=512 if INTERPRET else 64, k_splits=4)
+    out = run_decode(c, sm_scale=0.5,
+                     config=TritonConfig(block_k=512 if INTERPRET else 64, k_splits=4))
     err = rel_err(out[:, None], np_attention(c, sm_scale=0.5), c.chunk)
     assert err < 1e-3, err
 
@@ -115,15 +119,15 @@ def test_extend(dtype, reconstruct_k, materialize):
     """Chunks over cached prefixes (0, 21, 500), page-unaligned, padded to T = 40; on-chip
     reconstruction and the materialising path (merged K/V rebuilt in HBM, then unified)."""
     c = make_case(4, prefix=[0, 21, 500], chunk=[37, 16, 13], T=40, dtype=dtype)
-    out = run_extend(c, block_q=8, k_splits=2, reconstruct_k=reconstruct_k,
-                     materialize=materialize)
+    out = run_extend(c, config=TritonConfig(block_q=8, k_splits=2, reconstruct_k=reconstruct_k,
+                                            materialize=materialize))
     err = rel_err(out, np_attention(c), c.chunk)
     assert err < TOL[dtype], err
 
 
 def test_extend_gqa1_rank1():
     c = make_case(5, prefix=[3, 40], chunk=[20, 9], T=20, group=1, r=1, dtype=np.float32)
-    err = rel_err(run_extend(c, block_q=16), np_attention(c), c.chunk)
+    err = rel_err(run_extend(c, config=TritonConfig(block_q=16)), np_attention(c), c.chunk)
     assert err < 1e-3, err
 
 
@@ -140,7 +144,8 @@ def test_chunked_prefill_matches_one_shot(materialize):
             q = jnp.pad(q, ((0, 0), (0, 32 - q.shape[1]), (0, 0), (0, 0)))
         part = dataclasses.replace(full, q=q, prefix=np.array([start], np.int32),
                                    chunk=np.array([n], np.int32))
-        outs.append(np.asarray(run_extend(part, block_q=16, materialize=materialize))[:, :n])
+        config = TritonConfig(block_q=16, materialize=materialize)
+        outs.append(np.asarray(run_extend(part, config=config))[:, :n])
     out = np.concatenate(outs, axis=1)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < 1e-3, err
@@ -154,7 +159,7 @@ def test_unified_decode(dtype, swap_ab):
     c = decode_case(7, [1, 37, 513, 256], dtype=dtype)
     out = unified_attention_decode(
         c.q[:, 0], c.k_base, c.v_base, jnp.asarray(c.base_pages), jnp.asarray(c.prefix + 1),
-        interpret=INTERPRET, k_splits=4, swap_ab=swap_ab)
+        interpret=INTERPRET, config=TritonConfig(k_splits=4, swap_ab=swap_ab))
     err = rel_err(out[:, None], np_attention(c, residual=False), c.chunk)
     assert err < TOL[dtype], err
 
@@ -163,7 +168,7 @@ def test_unified_extend():
     c = make_case(8, prefix=[0, 37, 130], chunk=[24, 5, 17], T=24, group=8, dtype=np.float32)
     out = unified_attention_extend(
         c.q, c.k_base, c.v_base, jnp.asarray(c.base_pages), jnp.asarray(c.prefix),
-        jnp.asarray(c.chunk), interpret=INTERPRET, block_q=8, k_splits=2)
+        jnp.asarray(c.chunk), interpret=INTERPRET, config=TritonConfig(block_q=8, k_splits=2))
     err = rel_err(out, np_attention(c, residual=False), c.chunk)
     assert err < 1e-3, err
 
@@ -189,7 +194,8 @@ def test_layered_pools_match_single_layer():
     out_m = residual_attention_extend(  # the materialising path gathers from one layer
         c.q, stack(c.k_base), stack(c.v_base), stack(c.k_res), stack(c.v_res), pt, rt,
         jnp.asarray(c.prefix), jnp.asarray(c.chunk), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
-        jnp.asarray(c.inv_freq), layer=jnp.int32(1), interpret=INTERPRET, materialize=True)
+        jnp.asarray(c.inv_freq), layer=jnp.int32(1), interpret=INTERPRET,
+        config=TritonConfig(materialize=True))
     assert rel_err(out_m, np_attention(c), c.chunk) < 1e-3
 
 
@@ -239,7 +245,7 @@ def test_kernels_lower_for_cuda(kernel):
             c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1)), {}),
         "residual_extend": (residual_attention_extend, (
             c.q, c.k_base, c.v_base, c.k_res, c.v_res, *pages, *res, jnp.asarray(c.prefix),
-            jnp.asarray(c.chunk), *lora), {"materialize": False}),
+            jnp.asarray(c.chunk), *lora), {"config": TritonConfig(materialize=False)}),
         "unified_extend": (unified_attention_extend, (
             c.q, c.k_base, c.v_base, *pages, jnp.asarray(c.prefix), jnp.asarray(c.chunk)), {}),
     }[kernel]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from forkjax.pallas_kernels.paged_attention.mosaic import (
+    MosaicConfig,
     mgpu_residual_decode,
     mgpu_unified_decode,
     query_rows,
@@ -34,10 +35,10 @@ def layered(pool):
 def test_mgpu_unified_decode(lengths, group, d, k_splits, stages, consumers, layers):
     c = decode_case(21, lengths, group=group, d=d, dtype=jnp.bfloat16)
     kb, vb = (layered(c.k_base), layered(c.v_base)) if layers else (c.k_base, c.v_base)
+    config = MosaicConfig(k_splits=k_splits, stages=stages, consumers=consumers)
     out = mgpu_unified_decode(c.q[:, 0], kb, vb, jnp.asarray(c.base_pages),
                               jnp.asarray(c.prefix + 1), layer=1 if layers else None,
-                              k_splits=k_splits, stages=stages, consumers=consumers,
-                              interpret=INTERPRET)
+                              config=config, interpret=INTERPRET)
     err = rel_err(out[:, None], np_attention(c, residual=False), c.chunk)
     assert err < 2e-2, err
 
@@ -63,8 +64,9 @@ def test_mgpu_residual_decode(lengths, group, d, r, k_splits, stages, consumers,
     out = mgpu_residual_decode(
         c.q[:, 0], *pools, jnp.asarray(c.base_pages), jnp.asarray(c.res_pages),
         jnp.asarray(c.prefix + 1), c.b_k, c.b_v, jnp.asarray(c.adapter_ids),
-        jnp.asarray(c.inv_freq), layer=1 if layers else None, k_splits=k_splits, stages=stages,
-        consumers=consumers, ctas=ctas, interpret=INTERPRET)
+        jnp.asarray(c.inv_freq), layer=1 if layers else None,
+        config=MosaicConfig(k_splits=k_splits, stages=stages, consumers=consumers, ctas=ctas),
+        interpret=INTERPRET)
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 2e-2, err
 
@@ -78,7 +80,7 @@ def test_mgpu_residual_decode_from_operands():
     out = mgpu_residual_decode(
         ops, c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
         jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v, ids,
-        jnp.asarray(c.inv_freq), k_splits=1, interpret=INTERPRET)
+        jnp.asarray(c.inv_freq), config=MosaicConfig(k_splits=1), interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16 and out.shape == c.q[:, 0].shape
     err = rel_err(out[:, None], np_attention(c), c.chunk)
     assert err < 2e-2, err
@@ -94,8 +96,8 @@ def test_mgpu_rejects_unsupported_configs(r, stages, consumers, match):
         mgpu_residual_decode(
             c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, jnp.asarray(c.base_pages),
             jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
-            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq), stages=stages,
-            consumers=consumers, interpret=INTERPRET)
+            jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq),
+            config=MosaicConfig(stages=stages, consumers=consumers), interpret=INTERPRET)
 
 
 def test_mgpu_supports_only_swizzled_u_widths():
@@ -111,20 +113,23 @@ def test_mgpu_fewer_ctas_than_items_needs_one_consumer():
     c = decode_case(23, [20, 90], group=4, d=64, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="consumers=1"):
         mgpu_unified_decode(c.q[:, 0], c.k_base, c.v_base, jnp.asarray(c.base_pages),
-                            jnp.asarray(c.prefix + 1), ctas=2, stages=2, consumers=2,
+                            jnp.asarray(c.prefix + 1),
+                            config=MosaicConfig(stages=2, consumers=2, ctas=2),
                             interpret=INTERPRET)
 
 
 def test_mgpu_default_ctas():
     """One CTA per SM for one-consumer kernels with 1.5+ items an SM, else one per item (the
     device's SM count: 132 off a GPU)."""
-    from forkjax.pallas_kernels.paged_attention.mosaic import _num_ctas
     from forkjax.pallas_kernels.tuning import sm_count
     SMS = sm_count()
-    assert _num_ctas(512, None, 1) == SMS and _num_ctas(198, None, 1) == SMS
-    assert _num_ctas(136, None, 1) == 136  # B=1's split items: a CTA each
-    assert _num_ctas(512, None, 2) == 512  # two consumers: one item a CTA
-    assert _num_ctas(512, 7, 1) == 7 and _num_ctas(100, 132, 1) == 100  # never more than items
+
+    def ctas(items, **kw):  # one split: an item a (request, KV head) pair
+        return MosaicConfig(k_splits=1, **kw).resolve(True, items, 64).ctas
+    assert ctas(512) == SMS and ctas(198) == SMS
+    assert ctas(136) == 136  # B=1's split items: a CTA each
+    assert ctas(512, consumers=2) == 512  # two consumers: one item a CTA
+    assert ctas(512, ctas=7) == 7 and ctas(100, ctas=132) == 100  # never more than items
 
 
 @pytest.mark.parametrize("residual,stages,consumers,ctas", [
@@ -137,13 +142,14 @@ def test_mgpu_lowers_for_cuda(residual, stages, consumers, ctas):
     c = decode_case(24, [300, 70], hkv=8, group=4, d=128, r=16, dtype=jnp.bfloat16)
     pages = (jnp.asarray(c.base_pages),)
     if residual:
-        fn = functools.partial(mgpu_residual_decode, stages=stages, consumers=consumers,
-                               ctas=ctas)
+        config = MosaicConfig(stages=stages, consumers=consumers, ctas=ctas)
+        fn = functools.partial(mgpu_residual_decode, config=config)
         args = (c.q[:, 0], c.k_base, c.v_base, c.k_res, c.v_res, *pages,
                 jnp.asarray(c.res_pages), jnp.asarray(c.prefix + 1), c.b_k, c.b_v,
                 jnp.asarray(c.adapter_ids), jnp.asarray(c.inv_freq))
     else:
-        fn = functools.partial(mgpu_unified_decode, stages=stages, consumers=consumers)
+        fn = functools.partial(mgpu_unified_decode,
+                               config=MosaicConfig(stages=stages, consumers=consumers))
         args = (c.q[:, 0], c.k_base, c.v_base, *pages, jnp.asarray(c.prefix + 1))
     text = lower_for_h200(fn, *args)
     assert "mosaic_gpu" in text

@@ -7,7 +7,8 @@ per op, each with an `api.py` that is the only place choosing a backend (registr
   plain paged attention over a merged pool: `prefix`, `full_reuse`. `*_reference`: dense
   plain-jnp versions of the same contracts (tests, CPU engine). Backends: mosaic.py (Mosaic GPU
   residual decode, with mosaic_operands.py), triton.py, reference.py; combine.py the split-K
-  combine they share.
+  combine they share. Kernel options: one frozen `TritonConfig` / `MosaicConfig`, each with its
+  backend and its table of tuned defaults.
 * kv_write/: a layer's K/V cache writes, one Mosaic GPU kernel (mosaic.py) or XLA's scatters.
 
 All take head-major base pools `[Hkv, P, S, D]` (or `[L, Hkv, P, S, D]` plus `layer=`, which
@@ -17,6 +18,8 @@ tuning.py: the device facts kernels size themselves by; RoPE tables: forkjax.rop
 """
 
 from forkjax.pallas_kernels.paged_attention.api import (
+    MosaicConfig,
+    TritonConfig,
     residual_attention_decode,
     residual_attention_decode_reference,
     residual_attention_extend,
@@ -29,6 +32,8 @@ from forkjax.pallas_kernels.paged_attention.api import (
 from forkjax.rope import rope_cos_sin
 
 __all__ = [
+    "MosaicConfig",
+    "TritonConfig",
     "residual_attention_decode",
     "residual_attention_decode_reference",
     "residual_attention_extend",

@@ -8,11 +8,17 @@ Backends, by name:
     "reference"  reference.py, plain jnp, float32: the contract
 
 backend=None (automatic): residual decode takes "mosaic" where jax runs on a GPU, compiled
-(interpret=False), without Triton tuning arguments (block_k, num_warps, num_stages,
-reconstruct_k, swap_ab) and for shapes `mosaic.supports`; everything else "triton" (on the CPU
+(interpret=False), and for shapes `mosaic.supports`; everything else "triton" (on the CPU
 only interpreted: `interpret=True`, the Triton interpreter being the reliable one). The
 reference runs only when named (the engine's `use_pallas=False`). A backend named for a call
 it does not support, or a name the op does not have, raises a ValueError.
+
+config: the kernel options, one frozen object per backend: `TritonConfig` (triton.py) or
+`MosaicConfig` (mosaic.py), whose None fields take the tuned defaults for the call's shapes and
+device (`resolve`; config=None: every default). A config picks its backend: with backend=None a
+TritonConfig runs "triton" and a MosaicConfig "mosaic" (a ValueError where Mosaic does not
+support the call); a config of another class than the named backend takes (the reference takes
+none) raises a ValueError.
 
 interpret: run the kernels in Pallas' interpreter (False, the default: compiled); None: where
 jax has no GPU.
@@ -33,12 +39,14 @@ import jax
 import jax.numpy as jnp
 
 from forkjax.pallas_kernels.paged_attention import mosaic, mosaic_operands, triton
+from forkjax.pallas_kernels.paged_attention.mosaic import MosaicConfig
 from forkjax.pallas_kernels.paged_attention.reference import (
     residual_attention_decode_reference,
     residual_attention_extend_reference,
     unified_attention_decode_reference,
     unified_attention_extend_reference,
 )
+from forkjax.pallas_kernels.paged_attention.triton import TritonConfig
 from forkjax.pallas_kernels.registry import Backend, Call, Registry
 from forkjax.pallas_kernels.tuning import on_gpu
 
@@ -47,36 +55,28 @@ __all__ = [
     "unified_attention_extend", "residual_attention_decode_reference",
     "residual_attention_extend_reference", "unified_attention_decode_reference",
     "unified_attention_extend_reference", "fused_decode_supported", "fused_decode_operands",
-    "fused_residual_decode", "BACKENDS", "backend_for",
+    "fused_residual_decode", "BACKENDS", "backend_for", "TritonConfig", "MosaicConfig",
 ]
-
-_TUNING = ("block_k", "num_warps", "num_stages", "reconstruct_k", "swap_ab")  # Triton's only
 
 
 def _interpret(interpret: bool | None) -> bool:
     return not on_gpu() if interpret is None else interpret
 
 
-def _call(q, k_base, k_res, interpret, tuning: dict) -> Call:
+def _call(q, k_base, k_res, interpret, config) -> Call:
     """The static facts the checks read: Hq, Hkv, D, page size, R (0: unified), pool dtype."""
     facts = dict(Hq=q.shape[-2], Hkv=k_base.shape[-4], D=k_base.shape[-1],
                  page=k_base.shape[-2], R=0 if k_res is None else k_res.shape[-1],
                  dtype=jnp.dtype(k_base.dtype))
-    return Call(interpret=_interpret(interpret), facts=facts,
-                tuned=any(tuning.get(k) is not None for k in _TUNING))
+    return Call(interpret=_interpret(interpret), facts=facts, config=config)
 
 
 def _mosaic_supports(call: Call) -> bool:
-    return mosaic.supports(*call.facts.values())
+    return mosaic.supports(*call.facts.values(), config=call.config)
 
 
 def _mosaic_preferred(call: Call) -> bool:
-    return call.gpu and not call.interpret and not call.tuned and _mosaic_supports(call)
-
-
-def _mosaic_residual_decode(*args, sm_scale, interpret, layer, k_splits, **_triton_tuning):
-    return mosaic.mgpu_residual_decode(*args, layer=layer, sm_scale=sm_scale, k_splits=k_splits,
-                                       interpret=interpret)
+    return call.gpu and not call.interpret and _mosaic_supports(call)
 
 
 def _reference(fn):
@@ -86,44 +86,44 @@ def _reference(fn):
     return run
 
 
+def _ops(op: str, triton_fn, reference_fn, **more: Backend) -> Registry:
+    """An op's registry: Triton (automatic, after the backends in `more`) and its reference."""
+    return Registry(op, (*more, "triton"), **more,
+                    triton=Backend(triton_fn, config=TritonConfig),
+                    reference=Backend(_reference(reference_fn)))
+
+
 BACKENDS = {
-    "residual_attention_decode": Registry(
-        "residual_attention_decode", ("mosaic", "triton"),
-        mosaic=Backend(_mosaic_residual_decode, _mosaic_supports, _mosaic_preferred),
-        triton=Backend(triton.residual_decode),
-        reference=Backend(_reference(residual_attention_decode_reference))),
-    "residual_attention_extend": Registry(
-        "residual_attention_extend", ("triton",), triton=Backend(triton.residual_extend),
-        reference=Backend(_reference(residual_attention_extend_reference))),
-    "unified_attention_decode": Registry(
-        "unified_attention_decode", ("triton",), triton=Backend(triton.unified_decode),
-        reference=Backend(_reference(unified_attention_decode_reference))),
-    "unified_attention_extend": Registry(
-        "unified_attention_extend", ("triton",), triton=Backend(triton.unified_extend),
-        reference=Backend(_reference(unified_attention_extend_reference))),
+    "residual_attention_decode": _ops(
+        "residual_attention_decode", triton.residual_decode, residual_attention_decode_reference,
+        mosaic=Backend(mosaic.mgpu_residual_decode, _mosaic_supports, _mosaic_preferred,
+                       config=MosaicConfig)),
+    "residual_attention_extend": _ops(
+        "residual_attention_extend", triton.residual_extend, residual_attention_extend_reference),
+    "unified_attention_decode": _ops(
+        "unified_attention_decode", triton.unified_decode, unified_attention_decode_reference),
+    "unified_attention_extend": _ops(
+        "unified_attention_extend", triton.unified_extend, unified_attention_extend_reference),
 }
 
 
 def backend_for(op: str, q, k_base, k_res=None, *, backend: str | None = None,
-                interpret: bool | None = False, **tuning) -> str:
+                interpret: bool | None = False,
+                config: TritonConfig | MosaicConfig | None = None) -> str:
     """The name of the backend that runs `op` (a key of BACKENDS) for arrays (or
     ShapeDtypeStructs) of these shapes and these options."""
-    return BACKENDS[op].choose(backend, _call(q, k_base, k_res, interpret, tuning))
+    return BACKENDS[op].choose(backend, _call(q, k_base, k_res, interpret, config))
 
 
-def _run(op, backend, q, k_base, k_res, *args, interpret, **options):
-    call = _call(q, k_base, k_res, interpret, options)
-    return BACKENDS[op](backend, call)(*args, interpret=call.interpret, **options)
+def _run(op, backend, q, k_base, k_res, *args, interpret, config, **options):
+    call = _call(q, k_base, k_res, interpret, config)
+    return BACKENDS[op](backend, call)(*args, interpret=call.interpret, config=config, **options)
 
 
-_STATIC_UNIFIED_DECODE = ("backend", "sm_scale", "interpret", "block_k", "k_splits", "num_warps",
-                          "num_stages", "swap_ab")
-_STATIC_DECODE = _STATIC_UNIFIED_DECODE + ("reconstruct_k",)
-_STATIC_UNIFIED_EXTEND = _STATIC_UNIFIED_DECODE + ("block_q",)
-_STATIC_EXTEND = _STATIC_DECODE + ("block_q", "materialize")
+_STATIC = ("backend", "sm_scale", "interpret", "config")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_DECODE)
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def residual_attention_decode(
     q,  # [B, Hq, D]      current token's query, RoPE applied
     k_base,  # [Hkv, P, S, D]  base keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
@@ -142,24 +142,17 @@ def residual_attention_decode(
     sm_scale=None,
     interpret=False,
     layer=None,  # int32 scalar: index of the layer when the pools carry a leading L axis
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
-    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
+    config: TritonConfig | MosaicConfig | None = None,  # kernel options (the module docstring)
 ):
     """ResidualAttention (ForkKV Alg. 1) for one new token per request -> [B, Hq, D]: attention
     over K = bK + RoPE(rK B_k), V = bV + rV B_v of each request's adapter."""
     lengths = lengths.astype(jnp.int32)
     return _run("residual_attention_decode", backend, q, k_base, k_res, q, k_base, v_base, k_res,
                 v_res, base_pages, res_pages, lengths, b_k, b_v, adapter_ids, inv_freq,
-                sm_scale=sm_scale, interpret=interpret, layer=layer, block_k=block_k,
-                k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+                sm_scale=sm_scale, interpret=interpret, layer=layer, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_EXTEND)
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def residual_attention_extend(
     q,  # [B, T, Hq, D]   queries of the new tokens, RoPE applied, padded per request
     k_base,  # [Hkv, P, S, D]  (new tokens already written)
@@ -179,26 +172,17 @@ def residual_attention_extend(
     sm_scale=None,
     interpret=False,
     layer=None,
-    block_q=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    reconstruct_k=None,  # tuning: rebuild K on chip (default: when query rows > 32)
-    swap_ab=None,  # tuning: scores as [keys, rows] (default: residual with <= 32 query rows)
-    materialize=None,  # Triton: rebuild merged K/V in HBM first (triton.residual_extend)
+    config: TritonConfig | None = None,
 ):
     """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D]; rows
     past a request's chunk are zero."""
     return _run("residual_attention_extend", backend, q, k_base, k_res, q, k_base, v_base, k_res,
                 v_res, base_pages, res_pages, prefix_lengths, chunk_lengths, b_k, b_v,
                 adapter_ids, inv_freq, sm_scale=sm_scale, interpret=interpret, layer=layer,
-                block_q=block_q, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                num_stages=num_stages, reconstruct_k=reconstruct_k, swap_ab=swap_ab,
-                materialize=materialize)
+                config=config)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED_DECODE)
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def unified_attention_decode(
     q,  # [B, Hq, D]
     k_pages,  # [Hkv, P, S, D] merged keys (RoPE applied); [L, Hkv, P, S, D] with `layer`
@@ -210,20 +194,15 @@ def unified_attention_decode(
     sm_scale=None,
     interpret=False,
     layer=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    swap_ab=None,
+    config: TritonConfig | None = None,
 ):
     """Plain paged GQA decode over a merged cache (`prefix` / `full_reuse`) -> [B, Hq, D]."""
     return _run("unified_attention_decode", backend, q, k_pages, None, q, k_pages, v_pages,
                 page_table, lengths, sm_scale=sm_scale, interpret=interpret, layer=layer,
-                block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                num_stages=num_stages, swap_ab=swap_ab)
+                config=config)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_UNIFIED_EXTEND)
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def unified_attention_extend(
     q,  # [B, T, Hq, D]
     k_pages,  # [Hkv, P, S, D]
@@ -236,19 +215,12 @@ def unified_attention_extend(
     sm_scale=None,
     interpret=False,
     layer=None,
-    block_q=None,
-    block_k=None,
-    k_splits=None,
-    num_warps=None,
-    num_stages=None,
-    swap_ab=None,
+    config: TritonConfig | None = None,
 ):
     """Plain paged causal attention for a chunk of new tokens per request -> [B, T, Hq, D]."""
     return _run("unified_attention_extend", backend, q, k_pages, None, q, k_pages, v_pages,
                 page_table, prefix_lengths, chunk_lengths, sm_scale=sm_scale,
-                interpret=interpret, layer=layer, block_q=block_q, block_k=block_k,
-                k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                swap_ab=swap_ab)
+                interpret=interpret, layer=layer, config=config)
 
 
 # ----------------------------------------------------------------------------------------------

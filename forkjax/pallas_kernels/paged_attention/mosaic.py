@@ -56,8 +56,10 @@ the CPU interpreter runs in jax 0.11.2, so the CPU tests run this kernel too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +75,7 @@ from forkjax.pallas_kernels.paged_attention.mosaic_operands import (
     residual_combine_reference,
     supported,
 )
-from forkjax.pallas_kernels.tuning import sm_count, smem_bytes
+from forkjax.pallas_kernels.tuning import H200_KIND, for_device, sm_count, smem_bytes
 from forkjax.rope import rope_cos_sin
 
 ROWS = 64  # wgmma M: the query rows of one KV head, padded
@@ -81,6 +83,50 @@ BLOCK_K = 64  # keys per step: 4 pages of 16
 PAGE = 16
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 WGMMA = plgpu.Layout.WGMMA
+
+
+class Tuned(NamedTuple):
+    k_splits: int | None  # None: as many as fill the SMs in one wave
+    stages: int
+    consumers: int
+
+
+# By device kind, then residual (else unified): the H200's (bench_kernels.py --mgpu sweeps them);
+# a device kind without an entry runs the H200's.
+TUNED = {H200_KIND: {True: Tuned(k_splits=None, stages=3, consumers=1),
+                     False: Tuned(k_splits=1, stages=4, consumers=2)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """The kernel's options (None: the tuned default for the call's shapes and device, `resolve`).
+    k_splits: split-K partials a (request, KV head); stages: ring slots; consumers: attention
+    warpgroups; ctas: launch at most this many CTAs, each then running several (request, KV
+    head, split) items in turn (module docstring)."""
+    k_splits: int | None = None
+    stages: int | None = None
+    consumers: int | None = None
+    ctas: int | None = None
+
+    def resolve(self, residual: bool, pairs: int, key_blocks: int) -> MosaicConfig:
+        """What the kernel runs for `pairs` (request, KV head) pairs over page tables of
+        `key_blocks` blocks of keys: None fields from TUNED and the device's SM count, ctas at
+        most the items."""
+        tuned, sms = for_device(TUNED)[residual], sm_count()
+        k_splits = self.k_splits
+        if k_splits is None:  # one CTA per SM (shared memory): split the keys so that the items
+            # fill the SMs in at most one wave (rounded down: rounded up, a second wave of a few
+            # CTAs would take as long as the first)
+            k_splits = tuned.k_splits or max(1, min(sms // pairs, key_blocks))
+        consumers = tuned.consumers if self.consumers is None else self.consumers
+        n_items = pairs * k_splits
+        ctas = self.ctas
+        if ctas is None:  # one CTA per SM from 1.5 items an SM (fewer: a tail of CTAs running
+            # two items each while the rest idle)
+            ctas = sms if consumers == 1 and 2 * n_items >= 3 * sms else n_items
+        return MosaicConfig(k_splits=k_splits,
+                            stages=tuned.stages if self.stages is None else self.stages,
+                            consumers=consumers, ctas=max(1, min(ctas, n_items)))
 
 
 def _tiles(cols: int, dtype) -> tuple:
@@ -445,20 +491,8 @@ def _scratch(G, R, D, dt, stages, consumers):
     return scratch, smem
 
 
-def _num_ctas(n_items: int, ctas: int | None, consumers: int) -> int:
-    """CTAs to launch for n_items (batch row, KV head, split) items."""
-    sms = sm_count()
-    if ctas is None:  # one CTA per SM from 1.5 items an SM (fewer: a tail of CTAs running two
-        # items each while the rest idle)
-        ctas = sms if consumers == 1 and 2 * n_items >= 3 * sms else n_items
-    n_ctas = max(1, min(ctas, n_items))
-    if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
-        raise ValueError(f"ctas ({ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
-    return n_ctas
-
-
-def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k_splits, ctas,
-            stages, consumers, interpret):
+def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale,
+            config: MosaicConfig | None, interpret):
     Hkv, _, S, _ = k_pages.shape[-4:]
     if isinstance(q, tuple):  # residual: (qx, W) from mosaic_operands.decode_operands
         (B, _, _, D), out_dtype = q[0].shape, q[0].dtype
@@ -475,17 +509,16 @@ def _decode(q, k_pages, v_pages, page_table, lengths, res, layer, *, sm_scale, k
     if not _shapes_ok(Hq, Hkv, D, S, R, k_pages.dtype):
         raise ValueError(f"mgpu decode: no kernel for Hq={Hq} Hkv={Hkv} D={D} page={S} R={R} "
                          f"{k_pages.dtype}")
-    if stages % consumers:
-        raise ValueError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
     residual = res is not None
     ppb = BLOCK_K // S
     mp = -(-page_table.shape[1] // ppb) * ppb
-    if k_splits is None:  # one CTA per SM (shared memory): split the keys so that the items
-        # fill the SMs in at most one wave (rounded down: rounded up, a second wave of a few
-        # CTAs would take as long as the first)
-        k_splits = max(1, min(sm_count() // (B * Hkv), mp // ppb))
+    cfg = (config or MosaicConfig()).resolve(residual, B * Hkv, mp // ppb)
+    k_splits, stages, consumers, n_ctas = cfg.k_splits, cfg.stages, cfg.consumers, cfg.ctas
+    if stages % consumers:
+        raise ValueError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
     n_items = B * Hkv * k_splits
-    n_ctas = _num_ctas(n_items, ctas, consumers)
+    if consumers > 1 and n_ctas < n_items:  # a consumer owns fixed ring slots within one item
+        raise ValueError(f"ctas ({n_ctas}) < items ({n_items}) needs consumers=1, not {consumers}")
     pad_pages = lambda t: jnp.pad(t.astype(jnp.int32), ((0, 0), (0, mp - t.shape[1])))  # noqa: E731
     dt = k_pages.dtype
     f32 = jnp.float32
@@ -548,38 +581,34 @@ def _shapes_ok(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype) -> bool
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype, stages: int = 3,
-             consumers: int = 1) -> bool:
-    """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified), with a
-    ring of `stages` and `consumers` that fits the device's shared memory (the defaults: the
-    residual's)."""
+def supports(Hq: int, Hkv: int, D: int, page_size: int, R: int, dtype,
+             config: MosaicConfig | None = None) -> bool:
+    """Shapes this kernel handles, as compiled and tested on the H200 (R = 0: unified), with the
+    ring `config` sets (stages, consumers; None: the tuned defaults) fitting the device's shared
+    memory."""
+    ring = (config or MosaicConfig()).resolve(R > 0, 1, 1)  # (only stages and consumers count)
     return (_shapes_ok(Hq, Hkv, D, page_size, R, dtype)
-            and _scratch(Hq // Hkv, R, D, dtype, stages, consumers)[1] <= smem_bytes())
+            and _scratch(Hq // Hkv, R, D, dtype, ring.stages, ring.consumers)[1] <= smem_bytes())
 
 
-_STATIC = ("sm_scale", "k_splits", "ctas", "stages", "consumers", "interpret")
+_STATIC = ("sm_scale", "config", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mgpu_residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k,
                          b_v, adapter_ids, inv_freq, *, layer=None, sm_scale=None,
-                         k_splits: int | None = None, ctas: int | None = None, stages: int = 3,
-                         consumers: int = 1, interpret: bool = False):
+                         config: MosaicConfig | None = None, interpret: bool = False):
     """ResidualAttention decode, the `residual_attention_decode` contract (page size 16, R 16
     or 32, D 64 or 128, G * R 16, 32, 64, 128, 192 or 256, bf16/f16) -> [B, Hq, D].
 
     q: [B, Hq, D] with RoPE, or the kernel's operands (qx, W) as `decode_operands` builds them
     (mosaic_operands.py; the output then has qx's dtype).
 
-    ctas: launch at most this many CTAs, each then running several (batch row, KV head, split)
-    items in turn with one ring across them, so an item's first loads and its output stores
-    overlap the streaming of the item before and after. None: one CTA per SM where there are
-    1.5+ items an SM and one consumer, else one CTA per item.
-    k_splits: None: as many as fill the SMs in one wave (at most one per key block)."""
+    config.ctas: with fewer CTAs than items, one ring runs across a CTA's items, so an item's
+    first loads and its output stores overlap the streaming of the item before and after."""
     return _decode(q, k_base, v_base, base_pages, lengths,
                    (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
-                   sm_scale=sm_scale, k_splits=k_splits, ctas=ctas, stages=stages,
-                   consumers=consumers, interpret=interpret)
+                   sm_scale=sm_scale, config=config, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -592,13 +621,9 @@ def mgpu_unified_decode(
     *,
     layer=None,  # int32 scalar: the layer when the pools carry a leading L axis
     sm_scale=None,
-    k_splits: int = 1,
-    ctas: int | None = None,  # at most this many CTAs, items in turn (needs consumers=1)
-    stages: int = 4,
-    consumers: int = 2,
+    config: MosaicConfig | None = None,  # fewer CTAs than items need consumers=1
     interpret: bool = False,
 ):
     """Plain paged GQA decode (the `unified_attention_decode` contract) -> [B, Hq, D]."""
     return _decode(q, k_pages, v_pages, page_table, lengths, None, layer, sm_scale=sm_scale,
-                   k_splits=k_splits, ctas=ctas, stages=stages, consumers=consumers,
-                   interpret=interpret)
+                   config=config, interpret=interpret)

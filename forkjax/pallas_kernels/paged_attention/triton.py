@@ -31,8 +31,9 @@ loop's kernel would raise its register count to the limit and lower its occupanc
 `swap_ab=True` (default for ResidualAttention decode) computes scores as [keys, rows] and keeps
 the accumulators as [D, rows] (V^T @ P): the keys / head dim are then the M side of every MMA
 (64-128 instead of the 16 query rows), the reconstructed tile feeds the MMA from registers as its
-A operand and P stays in its score layout. Defaults for block sizes are the fastest of the H200
-sweeps (BENCHMARKS.md, Kernels).
+A operand and P stays in its score layout. The options travel as one `TritonConfig`; its None
+fields take the tuned defaults of `TritonConfig.resolve` (table TUNED: the fastest of the H200
+sweeps, BENCHMARKS.md, Kernels).
 
 Split-K (flash-decoding): each program writes an unnormalised partial (o, m, l [, acc_r]) for
 its share of the key blocks (every k_splits-th block, so a sequence much shorter than its page
@@ -46,7 +47,7 @@ tokens; new token t sits at position prefix_lengths[b] + t and attends causally 
 0 .. prefix_lengths[b] + t. K/V of the new tokens are read from the pools: the engine writes them
 before calling. Rows t >= chunk_lengths[b] of the output are zero. A long prompt is prefilled
 chunk after chunk by raising prefix_lengths. Residual extend has a second, default path for
-long chunks (`materialize`, see `residual_extend`): merged K/V rebuilt in HBM by XLA, then
+long chunks (`TritonConfig.materialize`, see `residual_extend`): merged K/V rebuilt in HBM by XLA, then
 the unified kernel.
 
 Page tables: entries past a sequence's last page must still be valid page ids (0, the padding
@@ -59,8 +60,10 @@ zero padding, which copies the pools on every call (tests, odd parity models onl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +74,90 @@ from jax.experimental.pallas import triton as plgpu
 
 from forkjax.pallas_kernels.padding import flat_rows, next_pow2, pad_axis
 from forkjax.pallas_kernels.paged_attention.combine import combine_splits
+from forkjax.pallas_kernels.tuning import H200_KIND, for_device
 from forkjax.rope import rope_cos_sin
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
-# Programs the default split heuristic aims for (132 SMs on the H200, several programs each).
-_TARGET_PROGRAMS = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Options and their tuned defaults
+# ----------------------------------------------------------------------------------------------
+
+
+class Tuned(NamedTuple):
+    q_rows: int | None  # query rows (tokens x padded heads) of an extend program; None: 1 token
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By device kind, then (residual, one query token): the fastest of the H200 sweeps (BENCHMARKS.md,
+# Kernels); a device kind without an entry runs the H200's.
+TUNED = {
+    H200_KIND: {
+        (True, True): Tuned(q_rows=None, block_k=64, num_warps=4, num_stages=2),
+        (True, False): Tuned(q_rows=64, block_k=32, num_warps=4, num_stages=2),
+        (False, True): Tuned(q_rows=None, block_k=64, num_warps=4, num_stages=3),
+        (False, False): Tuned(q_rows=128, block_k=64, num_warps=4, num_stages=2),
+    },
+}
+# Programs the default k_splits aims for (132 SMs on the H200, several programs each).
+TARGET_PROGRAMS = 1024
+# Residual kernels with at most this many query rows compute scores as [keys, rows] (swap_ab
+# pays off with the residual only); with more they rebuild K on chip (reconstruct_k).
+SWAP_AB_ROWS = RECONSTRUCT_K_ROWS = 32
+# The materialising extend path (`residual_extend`) is taken for chunks of at least
+# MATERIALIZE_MIN_TOKENS tokens when the page tables span at most MATERIALIZE_MAX_SLOTS token slots
+# in all (the scratch holds every slot the tables span: B * M * S * Hkv * D elements for K and
+# for V).
+MATERIALIZE_MIN_TOKENS = 64
+MATERIALIZE_MAX_SLOTS = 65536
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """The kernel's options (None: the tuned default for the call's shapes and device, `resolve`).
+    Each entry point reads those it has: decode runs one query token a program (block_q 1), the
+    unified kernels have no residual (reconstruct_k, materialize)."""
+    block_q: int | None = None  # query tokens a program
+    block_k: int | None = None  # keys a loop step (whole pages)
+    k_splits: int | None = None  # split-K partials a (request, KV head, query block)
+    num_warps: int | None = None
+    num_stages: int | None = None
+    reconstruct_k: bool | None = None  # rotate the keys by the absolute angle (tall blocks)
+    swap_ab: bool | None = None  # scores as [keys, rows], accumulators as [D, rows]
+    materialize: bool | None = None  # residual extend: merged K/V rebuilt in HBM, then unified
+
+    def resolve(self, *, residual: bool, batch: int, tokens: int, kv_heads: int, group: int,
+                page_size: int, pages: int) -> TritonConfig:
+        """What the kernel runs for `batch` requests of `tokens` query tokens, `group` query heads
+        a KV head, page tables of `pages` pages of `page_size`: None fields from TUNED, blocks
+        rounded up to powers of two (block_q at most the tokens', block_k at least a page) and
+        k_splits at most the key blocks."""
+        tuned = for_device(TUNED)[(residual, tokens == 1)]
+        gp = next_pow2(group)
+        block_q = _given(self.block_q, 1 if tuned.q_rows is None else max(1, tuned.q_rows // gp))
+        block_q = max(1, min(next_pow2(block_q), next_pow2(tokens)))
+        rows = max(16, block_q * gp)  # the kernel's query rows: dots with M < 16 are not safe
+        block_k = max(next_pow2(_given(self.block_k, tuned.block_k)), page_size)
+        n_blocks = -(-pages // (block_k // page_size))
+        # Split-K: enough programs for the device, a power of two (at most one per key block).
+        want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads * -(-tokens // block_q))))
+        k_splits = _given(self.k_splits, next_pow2(want))
+        return TritonConfig(
+            block_q=block_q, block_k=block_k, k_splits=max(1, min(k_splits, n_blocks)),
+            num_warps=_given(self.num_warps, tuned.num_warps),
+            num_stages=_given(self.num_stages, tuned.num_stages),
+            reconstruct_k=_given(self.reconstruct_k, rows > RECONSTRUCT_K_ROWS),
+            swap_ab=_given(self.swap_ab, residual and rows <= SWAP_AB_ROWS),
+            materialize=_given(self.materialize, residual and tokens >= MATERIALIZE_MIN_TOKENS
+                               and batch * pages * page_size <= MATERIALIZE_MAX_SLOTS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,9 +351,14 @@ def _attention_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _default_splits(n_parallel: int, n_blocks: int) -> int:
-    want = max(1, -(-_TARGET_PROGRAMS // n_parallel))
-    return max(1, min(next_pow2(want), n_blocks))
+def _resolve(config: TritonConfig | None, q, k_base, base_pages, residual: bool) -> TritonConfig:
+    """`config` (None: all defaults) as the kernel runs it for q [B, T, Hq, D] over pools
+    [.., Hkv, P, S, D] through page tables [B, M]."""
+    B, T, Hq, _ = q.shape
+    Hkv, _, S, _ = k_base.shape[-4:]
+    return (config or TritonConfig()).resolve(
+        residual=residual, batch=B, tokens=T, kv_heads=Hkv, group=Hq // Hkv, page_size=S,
+        pages=base_pages.shape[1])
 
 
 def _paged_attention(
@@ -286,14 +372,8 @@ def _paged_attention(
     layer,  # None or int32 scalar
     *,
     sm_scale,
-    block_q,
-    block_k,
-    k_splits,
-    num_warps,
-    num_stages,
+    config: TritonConfig | None,
     interpret,
-    reconstruct_k=None,
-    swap_ab=None,
 ):
     layered = k_base.ndim == 5
     if layered != (layer is not None):
@@ -317,34 +397,19 @@ def _paged_attention(
     dt = k_base.dtype
     residual = res is not None
 
+    cfg = _resolve(config, q, k_base, base_pages, residual)
+    block_q, block_k, k_splits = cfg.block_q, cfg.block_k, cfg.k_splits
+
     # Query rows: block_q tokens x Gp heads, at least 16 rows (dots with M < 16 are not safe).
-    # Defaults below: the fastest of the H200 sweeps (BENCHMARKS.md, "Kernels").
     gp = next_pow2(G)
-    if block_q is None:
-        block_q = 1 if T == 1 else max(1, (64 if residual else 128) // gp)
-    block_q = max(1, min(next_pow2(block_q), next_pow2(T)))
     if block_q * gp < 16:
         gp = 16 // block_q
     rows = block_q * gp
-    if swap_ab is None:  # pays off with the residual only (BENCHMARKS.md, Kernels)
-        swap_ab = residual and rows <= 32
     t_pad = -(-T // block_q) * block_q
     n_qb = t_pad // block_q
     dp = max(16, next_pow2(D))
-
-    if block_k is None:
-        block_k = 32 if residual and T > 1 else 64
-    block_k = max(next_pow2(block_k), S)
     ppb = block_k // S
-    n_blocks = -(-M // ppb)
-    if k_splits is None:
-        k_splits = _default_splits(B * Hkv * n_qb, n_blocks)
-    k_splits = max(1, min(k_splits, n_blocks))
-    m_pad = n_blocks * ppb
-    if num_warps is None:
-        num_warps = 4
-    if num_stages is None:
-        num_stages = 3 if not residual and T == 1 else 2
+    m_pad = -(-M // ppb) * ppb
 
     # q -> [B, Hkv, t_pad * gp, dp]
     qx = q.astype(dt).reshape(B, T, Hkv, G, D)
@@ -446,8 +511,7 @@ def _paged_attention(
     kernel = functools.partial(
         _attention_kernel, block_q=block_q, gp=gp, block_k=block_k, page_size=S,
         k_splits=k_splits, scale=scale, residual=residual, normalize=normalize,
-        reconstruct_k=(rows > 32) if reconstruct_k is None else reconstruct_k,
-        swap_ab=swap_ab)
+        reconstruct_k=cfg.reconstruct_k, swap_ab=cfg.swap_ab)
     name = f"{'residual' if residual else 'unified'}_attention_bq{block_q}_bk{block_k}_ks{k_splits}"
     out = pl.pallas_call(
         kernel,
@@ -457,7 +521,7 @@ def _paged_attention(
                   bk1_spec, bk2_spec, blkc_spec, blks_spec, offc_spec, offs_spec],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=name,
     )(qx, q1, q2, kb, vb, kr, vr, bpt, rpt, prefix_lengths, chunk_lengths, layer_arr,
@@ -482,17 +546,14 @@ def _paged_attention(
 
 def residual_decode(q, k_base, v_base, k_res, v_res, base_pages, res_pages, lengths, b_k, b_v,
                     adapter_ids, inv_freq, *, sm_scale=None, interpret=False, layer=None,
-                    block_k=None, k_splits=None, num_warps=None, num_stages=None,
-                    reconstruct_k=None, swap_ab=None):
+                    config: TritonConfig | None = None):
     """ResidualAttention for one new token per request -> [B, Hq, D]: the kernel with one query
     token a program (block_q = 1)."""
     lengths = lengths.astype(jnp.int32)
     out = _paged_attention(
         q[:, None], k_base, v_base, base_pages, lengths - 1, jnp.ones_like(lengths),
         (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq), layer,
-        sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+        sm_scale=sm_scale, config=config, interpret=interpret)
     return out[:, 0]
 
 
@@ -532,61 +593,39 @@ def _merge_pages(k_base, v_base, base_pages, res, layer):
     return pages_of(k), pages_of(v), jnp.arange(B * M, dtype=jnp.int32).reshape(B, M)
 
 
-# The materialising extend path (`residual_extend`) is taken for chunks of at least
-# MATERIALIZE_MIN_TOKENS tokens when the page tables span at most MATERIALIZE_MAX_SLOTS token slots
-# in all (the scratch holds every slot the tables span: B * M * S * Hkv * D elements for K and
-# for V).
-MATERIALIZE_MIN_TOKENS = 64
-MATERIALIZE_MAX_SLOTS = 65536
-
-
 def residual_extend(q, k_base, v_base, k_res, v_res, base_pages, res_pages, prefix_lengths,
                     chunk_lengths, b_k, b_v, adapter_ids, inv_freq, *, sm_scale=None,
-                    interpret=False, layer=None, block_q=None, block_k=None, k_splits=None,
-                    num_warps=None, num_stages=None, reconstruct_k=None, swap_ab=None,
-                    materialize=None):
+                    interpret=False, layer=None, config: TritonConfig | None = None):
     """ResidualAttention for a chunk of new tokens per request (causal) -> [B, T, Hq, D].
 
     Two ways, same result. A prefill chunk is compute-bound: T queries share every key, so
     rebuilding the merged K/V of the requests' pages in HBM (O(L) bytes, tiny next to the
     O(T L) attention FLOPs) and running the unified kernel over them beats rebuilding each key
     on chip once per query block. Short chunks reconstruct on chip (no scratch, no extra pass).
-    materialize=None: the first way for long chunks (MATERIALIZE_*).
+    config.materialize=None: the first way for long chunks (MATERIALIZE_*).
     """
     res = (k_res, v_res, res_pages, b_k, b_v, adapter_ids, inv_freq)
-    if materialize is None:
-        materialize = (q.shape[1] >= MATERIALIZE_MIN_TOKENS
-                       and base_pages.size * k_base.shape[-2] <= MATERIALIZE_MAX_SLOTS)
-    if materialize:
+    if _resolve(config, q, k_base, base_pages, True).materialize:
         k, v, pages = _merge_pages(k_base, v_base, base_pages, res, layer)
-        return _paged_attention(
-            q, k, v, pages, prefix_lengths, chunk_lengths, None, None, sm_scale=sm_scale,
-            block_q=block_q, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-            num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
-    return _paged_attention(
-        q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths, res, layer,
-        sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        reconstruct_k=reconstruct_k, swap_ab=swap_ab)
+        return _paged_attention(q, k, v, pages, prefix_lengths, chunk_lengths, None, None,
+                                sm_scale=sm_scale, config=config, interpret=interpret)
+    return _paged_attention(q, k_base, v_base, base_pages, prefix_lengths, chunk_lengths, res,
+                            layer, sm_scale=sm_scale, config=config, interpret=interpret)
 
 
 def unified_decode(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None, interpret=False,
-                   layer=None, block_k=None, k_splits=None, num_warps=None, num_stages=None,
-                   swap_ab=None):
+                   layer=None, config: TritonConfig | None = None):
     """Plain paged GQA decode over a merged cache -> [B, Hq, D]."""
     lengths = lengths.astype(jnp.int32)
     out = _paged_attention(
         q[:, None], k_pages, v_pages, page_table, lengths - 1, jnp.ones_like(lengths), None,
-        layer, sm_scale=sm_scale, block_q=1, block_k=block_k, k_splits=k_splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
+        layer, sm_scale=sm_scale, config=config, interpret=interpret)
     return out[:, 0]
 
 
 def unified_extend(q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths, *,
-                   sm_scale=None, interpret=False, layer=None, block_q=None, block_k=None,
-                   k_splits=None, num_warps=None, num_stages=None, swap_ab=None):
+                   sm_scale=None, interpret=False, layer=None,
+                   config: TritonConfig | None = None):
     """Plain paged causal attention for a chunk of new tokens per request -> [B, T, Hq, D]."""
-    return _paged_attention(
-        q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths, None, layer,
-        sm_scale=sm_scale, block_q=block_q, block_k=block_k, k_splits=k_splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, swap_ab=swap_ab)
+    return _paged_attention(q, k_pages, v_pages, page_table, prefix_lengths, chunk_lengths,
+                            None, layer, sm_scale=sm_scale, config=config, interpret=interpret)
