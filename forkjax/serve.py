@@ -97,7 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PEFT adapter to serve as model NAME (repeatable; replaces the demo adapters)")
     p.add_argument("--cache-policy", default="forkkv",
                    choices=("forkkv", "prefix", "full_reuse", "lrshared"),
-                   help="KV sharing across adapters (%(default)s; `prefix` is exact)")
+                   help="how adapters share cached K/V. forkkv, the default because memory bounds "
+                        "how many agents run at once: agents on one context share one base K/V "
+                        "cache plus a small residual each, about one copy for N agents instead "
+                        "of N; approximate: an agent forking another's prefix attends to K/V from "
+                        "that agent's hidden states (the built-in trained agents answer 0.451 "
+                        "right against 0.617 exact: BENCHMARKS.md, Fidelity). prefix: exact, each "
+                        "adapter reuses only its own prefixes, N copies. full_reuse, lrshared: "
+                        "docs/design.md. `python -m forkjax.fidelity` measures your agents")
     p.add_argument("--residual-fanout", action="store_true",
                    help="forkkv: every request also writes the residual KV of the adapters in device slots "
                         "(a request's fanout_adapters overrides it)")

@@ -1,12 +1,14 @@
 """`python -m forkjax.fidelity` (forkjax/fidelity/): on a tiny HF checkpoint with PEFT adapters
 and tasks given as token ids it writes its files, `prefix` (served with sharing) equals exact,
 a policy that reads another agent's K/V does not, every interval holds its mean, and bad task
-lines and flags are clear errors; the answer checks on text."""
+lines and flags are clear errors; the answer checks on text; runs merge, with or without
+matplotlib."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -162,3 +164,14 @@ def test_merge_summarizes_the_runs_tasks_together(tmp_path):
     assert {"fidelity.json", "fidelity.png"} <= set(os.listdir(tmp_path / "m"))
     with pytest.raises(ValueError, match="differ in lora_scale"):
         merge([runs[0], dict(runs[1], lora_scale=0.5)])
+
+
+def test_merge_without_matplotlib_writes_the_numbers(tmp_path, monkeypatch, capsys):
+    """A serving install has no matplotlib: the run keeps its numbers and says why no plots."""
+    from forkjax.fidelity.merge import main as merge_main
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    os.makedirs(tmp_path / "r0")
+    (tmp_path / "r0" / "fidelity.json").write_text(json.dumps(_result(np.random.default_rng(1), 4, ["prefix"])))
+    result = merge_main([str(tmp_path / "r0"), "--out", str(tmp_path / "m")])
+    assert result["tasks"] == 4 and os.listdir(tmp_path / "m") == ["fidelity.json"]
+    assert "no plots: matplotlib is not installed" in capsys.readouterr().out

@@ -11,13 +11,16 @@ output is checked against the script's stdout:
 
 TEXT must occur in stdout, within one line; `...` in it stands for any text.
 
-The example that talks to a server with the `openai` client runs against a real
-`python -m forkjax.serve`, started as the README tells the user to start it: `make serve`'s flags
-(from the Makefile) and the ARGS of the README's first `make serve ARGS="..."` line, with two
-substitutions: `--port 0` (a free port) instead of the README's port, and `--warmup none` (the
-request compiles only the programs it needs instead of competing with a background warm-up for
-two cores; warm-up changes when programs compile, not what they compute). The example's base
-URL, `http://127.0.0.1:<README port>/v1`, is replaced by the server's.
+The example that talks to a server with the `openai` client, and every ```bash block that calls
+`curl`, run against a real `python -m forkjax.serve`, started as the README's quick start starts
+it: `make serve`'s flags (from the Makefile) and the ARGS of the README's first `make serve` line
+(none), with two substitutions: `--port 0` (a free port) instead of the port the reader's server
+listens on (its --port, else the server's default), and `--warmup none` (the request compiles
+only the programs it needs instead of competing with a background warm-up for two cores; warm-up
+changes when programs compile, not what they compute). The examples' address,
+`http://127.0.0.1:<that port>`, is replaced by the server's. A curl block runs in bash (-e, -o
+pipefail); its full-line comments `# prints TEXT` (or `# prints:` and the lines below) state its
+output as above.
 
 The compile cache is the repository's .cache/jax, as for the other tests
 ($JAX_COMPILATION_CACHE_DIR wins). XLA_FLAGS loses the optimisation level that conftest.py lowers
@@ -40,33 +43,40 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forkjax.serve import build_parser
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 SNIPPET_TIMEOUT_S = 600
 STARTUP_S = 300
 
 
-def snippets() -> list[tuple[str, str]]:
-    """[(id: the section's heading as an anchor, code)] of README's ```python blocks."""
+def snippets(language: str = "python") -> list[tuple[str, str]]:
+    """[(id: the section's heading as an anchor, code)] of README's ```LANGUAGE blocks."""
     out, heading = [], "top"
     for m in re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```$", README, re.M | re.S):
         if m[1]:
             heading = re.sub(r"[^a-z0-9]+", "-", m[1].lstrip("#").strip().lower()).strip("-")
-        elif m[2] == "python":
+        elif m[2] == language:
             out.append((heading, m[3]))
     return out
 
 
-def stated_outputs(code: str) -> list[str]:
-    """The printed lines the snippet's comments state (module docstring: the forms)."""
+def stated_outputs(code: str, shell: bool = False) -> list[str]:
+    """The printed lines the snippet's comments state (module docstring: the forms); `shell`:
+    a bash block, whose full-line comments count."""
     lines = code.splitlines()
     comments: dict[int, str] = {}
     printing: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string[1:].strip()
-        elif tok.type == tokenize.NAME and tok.string == "print":
-            printing.add(tok.start[0])
+    if shell:
+        comments = {n: line.strip()[1:].strip() for n, line in enumerate(lines, 1)
+                    if line.lstrip().startswith("#")}
+    else:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = tok.string[1:].strip()
+            elif tok.type == tokenize.NAME and tok.string == "print":
+                printing.add(tok.start[0])
     out, block = [], False
     for n in range(1, len(lines) + 1):
         text = comments.get(n)
@@ -104,15 +114,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_snippet(code: str) -> str:
-    """Run `code` as a script; assert it exits 0 and prints what its comments say; -> stdout."""
+def run_snippet(code: str, shell: bool = False) -> str:
+    """Run `code` as a script (`shell`: a bash one); assert it exits 0 and prints what its
+    comments say; -> stdout."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=SNIPPET_TIMEOUT_S)
+    argv = ["bash", "-euo", "pipefail", "-c", code] if shell else [sys.executable, "-c", code]
+    proc = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=SNIPPET_TIMEOUT_S)
     print(f"ran in {time.time() - t0:.1f} s:\n{proc.stdout}")
     assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout\n"
                                   f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
-    for text in stated_outputs(code):
+    for text in stated_outputs(code, shell):
         assert any(_pattern(text).search(line) for line in proc.stdout.splitlines()), (
             f"the README says it prints {text!r}; it printed:\n{proc.stdout}")
     return proc.stdout
@@ -120,12 +132,14 @@ def run_snippet(code: str) -> str:
 
 SNIPPETS = snippets()
 SERVING = [code for _, code in SNIPPETS if "openai.OpenAI(" in code]
+CURL = [code for _, code in snippets("bash") if re.search(r"^curl ", code, re.M)]
 
 
 def test_readme_has_examples():
     ids = [i for i, _ in SNIPPETS]
-    assert len(SNIPPETS) >= 3 and len(SERVING) == 1, ids
+    assert len(SNIPPETS) >= 3 and len(SERVING) == 1 and CURL, ids
     assert all(stated_outputs(code) for code in SERVING), "the serving example states no output"
+    assert all(stated_outputs(code, shell=True) for code in CURL), "a curl example states no output"
 
 
 @pytest.mark.parametrize("code", [c for _, c in SNIPPETS if c not in SERVING],
@@ -135,13 +149,15 @@ def test_example_runs_as_printed(code):
 
 
 def server_args() -> tuple[list[str], str]:
-    """(`python -m forkjax.serve` arguments of the README's first `make serve ARGS=...`, the
-    port that it names)."""
+    """(`python -m forkjax.serve` arguments of the README's first `make serve` line, the port
+    that its server listens on)."""
     make = re.search(r"-m forkjax\.serve (.*?)\s*\$\(ARGS\)", (REPO / "Makefile").read_text())
     assert make, "Makefile: no `forkjax.serve ... $(ARGS)` line"
-    readme = re.search(r'^make serve ARGS="([^"]*)"', README, re.M)
-    assert readme, 'README: no `make serve ARGS="..."` line'
-    args = shlex.split(make[1]) + shlex.split(readme[1])
+    readme = re.search(r'^make serve(?: ARGS="([^"]*)")?(?:\s|$)', README, re.M)
+    assert readme, "README: no `make serve` line"
+    args = shlex.split(make[1]) + shlex.split(readme[1] or "")
+    if "--port" not in args:
+        args += ["--port", str(build_parser().get_default("port"))]
     port = args[args.index("--port") + 1]
     args[args.index("--port") + 1] = "0"
     return args + ["--warmup", "none"], port
@@ -175,9 +191,18 @@ def readme_server(tmp_path_factory):
 
 
 def test_serving_example(readme_server):
-    """The `openai` example against the server it names, at that server's real address."""
+    """The `openai` example against the quick start's server, at that server's real address."""
     (code,) = SERVING
     _, port = server_args()
     readme_url = f"http://127.0.0.1:{port}/v1"
     assert readme_url in code, f"the serving example does not use the server at {readme_url}"
     run_snippet(code.replace(readme_url, readme_server))
+
+
+@pytest.mark.parametrize("code", CURL)
+def test_curl_example(readme_server, code):
+    """A curl example against the quick start's server, at that server's real address."""
+    _, port = server_args()
+    readme_base = f"http://127.0.0.1:{port}/"
+    assert readme_base in code, f"the curl example does not use the server at {readme_base}"
+    run_snippet(code.replace(readme_base, readme_server.removesuffix("v1")), shell=True)
