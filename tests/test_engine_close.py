@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # so a background warm-up here has every shape still to compile.
 KW = dict(dtype="float32", max_prefill_tokens=128, max_model_len=512, max_batch_size=4,
           kv_cache_bytes=24 << 20, progress=False)
-# warmup=True compiles every shape before returning: two of them here (decode and one chunk),
+# warmup=True compiles every program before returning: here decode and one chunk, each also with
+# fan-out inputs, the chunk's score steps, four sampling programs of one row (warmup_plan.py),
 # and the host tier's copies (a store and a load a block size).
 TINY = dict(KW, max_prefill_tokens=16, max_model_len=64, max_batch_size=1, host_kv_bytes=1 << 20)
 
