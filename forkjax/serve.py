@@ -17,15 +17,17 @@ admitted as they fit, and a workflow's pages are kept between its turns until a 
 `session_end` finishes or it has been idle for --session-ttl seconds; `session_tokens` hints its
 final length) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
 writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
-none). A server started without --residual-fanout compiles the fan-out programs at the first
-such request. --schedule-policy picks the admission order (lpm: cached prefixes first, with a
-bounded wait; fifo), --residual-fraction the residual pool's share of --kv-cache-bytes (or
---residual-copies: room for that many adapters' residuals of each cached token).
+none). A server started without --residual-fanout runs programs of their own for a batch with
+a request that fans out (--warmup compiles them after the plain ones). --schedule-policy picks
+the admission order (lpm: cached prefixes first, with a bounded wait; fifo), --residual-fraction
+the residual pool's share of --kv-cache-bytes (or --residual-copies: room for that many
+adapters' residuals of each cached token).
 --deterministic fixes every step's shapes, so a request's logits (bitwise) and greedy tokens do
 not depend on what runs beside it, on its prompt's chunking or on prefix hits (buckets.py).
---warmup: the step programs compile in the background while the server already answers
-(default: a request compiles the shapes it needs first), all before serving (full), or when a
-request first needs them (none).
+--warmup: the step programs (those of fan-out and scoring too) and the sampling programs
+(runtime/warmup_plan.py) compile in the background while the server already answers (default:
+a request compiles the shapes it needs first), all before serving (full), or when a request
+first needs them (none).
 
 The engine runs in a process of its own (forkjax/server/core_proc.py), which owns the device
 and steps without waiting on HTTP work; this process, the front end, validates, tokenizes,

@@ -83,9 +83,11 @@ class EngineCore:
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
                                    schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s,
                                    session_ttl_s=_check_ttl(session_ttl_s))
+        # Only `forkkv` requests fan out: other policies' warm-ups compile no fan-out programs.
+        fanout_width = cfg.fanout_width if cfg.cache_policy == "forkkv" else 0
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
-                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=cfg.fanout_width,
+                                  fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=fanout_width,
                                   host_tier=tuple(h.max_block if h else 0 for h in self.cache.host_pools))
         self.metrics = EngineStats()
         self._stall_at_reset = 0.0  # host_load_stall_s at the last reset_stats()

@@ -69,6 +69,10 @@ class Buckets:
         b = next((b for b in self.extend_sizes[c] if b >= n), None)
         return None if b is None else (b, c)
 
+    def sample_sizes(self) -> list[int]:
+        """Every B of a step's sampled rows: the decode sizes and the extend steps' requests."""
+        return sorted(set(self.decode_sizes).union(*self.extend_sizes.values()))
+
     def all(self) -> list[tuple[str, int, int, int]]:
         """Every (kind, requests, chunk, page-table width) program."""
         shapes = ([("decode", b, 1) for b in self.decode_sizes]

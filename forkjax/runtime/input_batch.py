@@ -143,7 +143,8 @@ def sampling_arrays(rows: list[BatchRow], b: int) -> SamplingArrays:
 
 def processing_arrays(rows: list[BatchRow], b: int) -> ProcessArrays:
     """What sampler.process_logits changes in `rows` (rows 0.., nothing in the padding up to
-    `b`); id lists padded with -1 to a power of two, so few shapes compile."""
+    `b`); id lists padded with -1 to a power of two, at least MIN_ID_LIST, so few shapes
+    compile (the warm-up compiles the shortest: runtime/warmup_plan.py)."""
     presence, frequency = np.zeros(b, np.float32), np.zeros(b, np.float32)
     repetition, pending = np.ones(b, np.float32), np.full(b, -1, np.int32)
     outputs, prompts, bias_ids, biases, banned = [], [], [], [], []
@@ -166,9 +167,23 @@ def processing_arrays(rows: list[BatchRow], b: int) -> ProcessArrays:
                          _padded(biases, b, np.float32, 0), _padded(banned, b))
 
 
+def id_list_widths(p: ProcessArrays) -> tuple[int, int, int, int]:
+    """The padded widths of `p`'s id lists (outputs, prompts, logit bias, stop tokens): with B,
+    what its processing program's shapes depend on."""
+    return p.output_ids.shape[1], p.prompt_ids.shape[1], p.bias_ids.shape[1], p.banned_ids.shape[1]
+
+
+# Id lists (outputs, prompts, logit bias, stop tokens) of up to this many entries share one
+# processing program a batch size: a penalised request's outputs would otherwise compile a new
+# width at 2, 4, 8, ... tokens; scattering a few padding ids costs next to nothing beside the
+# [B, vocab] arrays.
+MIN_ID_LIST = 64
+
+
 def _padded(lists, b: int, dtype=np.int32, fill=-1) -> np.ndarray:
-    """[b, L] of `lists` in rows 0.., `fill` elsewhere; L the next power of two of the longest."""
-    width = 1 << max(0, max(map(len, lists), default=0) - 1).bit_length()
+    """[b, L] of `lists` in rows 0.., `fill` elsewhere; L the next power of two of the longest,
+    at least MIN_ID_LIST."""
+    width = max(MIN_ID_LIST, 1 << max(0, max(map(len, lists), default=0) - 1).bit_length())
     out = np.full((b, width), fill, dtype)
     for i, xs in enumerate(lists):
         out[i, :len(xs)] = xs

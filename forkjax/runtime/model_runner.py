@@ -4,18 +4,20 @@ from the model once, a flat list a few dozen arrays long: the layers are stacked
 
 Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
 fixed set of programs serves every batch, compiled at start or in the background while serving
-(compiler.py); page tables are as wide as the bucket of the batch's longest request. A program
-compiled after warm-up logs a warning: a shape escaped the buckets.
+(compiler.py; which ones and in which order: warmup_plan.py); page tables are as wide as the
+bucket of the batch's longest request. A step or sampling program compiled after warm-up logs a
+warning: a shape escaped the warm-up.
 
 Residual fan-out adds two inputs, a token's fan-out targets (at most `fanout_width` adapter
-slots) and their residual slots (`PagedMeta.fan_adapters`, `fan_slots`), written by the K/V
-write: an engine with `residual_fanout` runs (and compiles) only programs with them; otherwise a
-batch runs them only when one of its requests fans out.
+slots, 0 where no request can fan out) and their residual slots (`PagedMeta.fan_adapters`,
+`fan_slots`), written by the K/V write: an engine with `residual_fanout` runs (and compiles) only
+programs with them; otherwise a batch runs them only when one of its requests fans out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -33,10 +35,10 @@ from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.compiler import COMPILER
 from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
-from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, processing_arrays,
-                                         sampling_arrays)
-from forkjax.runtime.step_program import (HashOnce, copy_pages_program, process_and_sample, sample_padded,
-                                          step_program)
+from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, id_list_widths,
+                                         processing_arrays)
+from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
+from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
 from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.tensor_parallel import REPLICATED, param_specs, sharding
 
@@ -124,17 +126,24 @@ class ModelRunner:
         self.params = writer.write(self.params, slot, adapter)
 
     def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
-        """Compile every bucket's step (compiler.py): now, XLA's compiles on `workers` threads
-        (default: the host's cores), or with `background` on threads of their own (default: all
-        cores but one) while the engine serves, in the order a first request needs them: one
-        request's shapes first, then larger batches. Now, not in the background, also the host
-        tier's copies (they run on the pools, which a serving step donates: in the background
-        they compile when first needed)."""
-        items = [(self._key(kind, b, c, w, False, False, self._width(self.fanout)), self._lowering(kind, b, c, w))
-                 for kind, b, c, w in sorted(self.buckets.all(), key=lambda s: (s[3], s[1], s[2]))]
+        """Compile the programs of warmup_plan.py (every bucket's step, sampling, the fan-out
+        and score steps; compiler.py): now, XLA's compiles on `workers` threads (default: the
+        host's cores), or with `background` on threads of their own (default: all cores but
+        one) while the engine serves, in the order requests need them: one request's plain
+        shapes first, then larger batches, then the variants. Now, not in the background, also
+        the copy programs (they run on the pools, which a serving step donates: in the
+        background they compile when first needed)."""
+        plain, variants = step_shapes(self.buckets, self._width(self.fanout), self.fanout_width)
+        sampling = sampling_programs(self.buckets, self.vocab_size, self.prev_tokens, MAX_LOGPROBS)
+        items = ([(self._key(*shape), self._lowering(shape)) for shape in plain]
+                 + [(self._key(*shape), functools.partial(lower_sampling, shape, args, len(self.prev_tokens)))
+                    for shape, args in sampling]
+                 + [(self._key(*shape), self._lowering(shape)) for shape in variants])
         cores = os.cpu_count() or 1
         if background:
             t0 = time.perf_counter()
+            log.info("warm-up: %d step programs (%d plain, %d fan-out and score), %d sampling programs",
+                     len(plain) + len(variants), len(plain), len(variants), len(sampling))
 
             def done():
                 self.warm = True
@@ -146,9 +155,7 @@ class ModelRunner:
             return
         with tqdm(total=len(items), desc="compiling", disable=not progress, unit="shape") as bar:
             COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
-        for b in self.buckets.decode_sizes:  # sampling and copy-on-write: small programs, quick
-            jax.block_until_ready(sample_padded(jnp.zeros((b, self.vocab_size), jnp.float32),
-                                                sampling_arrays([], b), len(self.prev_tokens)))
+        for b in self.buckets.decode_sizes:  # copy-on-write: small programs, quick
             self._copy([], [], b)
         for i, blocks in enumerate(self.host_blocks):
             if blocks is not None:
@@ -166,7 +173,8 @@ class ModelRunner:
         return self.fanout_width if fanout else 0
 
     def _key(self, *shape) -> tuple:
-        """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fan-out width)."""
+        """COMPILER's key of the step of (kind, B, C, W, all_logits, hidden, fan-out width), or
+        of a sampling program (warmup_plan.sampling_programs)."""
         return (self.graphdef, self.state_def, self._program, *shape)
 
     def _layout(self, b, c, w, fanout: int) -> InputLayout:
@@ -176,9 +184,11 @@ class ModelRunner:
             self._layouts[key] = InputLayout(b, c, w, self.num_slots, fanout)
         return self._layouts[key]
 
-    def _lowering(self, kind, b, c, w):
-        layout = self._layout(b, c, w, self._width(self.fanout))
-        return lambda: self._lower(kind, False, False, layout)
+    def _lowering(self, shape):
+        """() -> the Lowered step of `shape` (kind, B, C, W, all_logits, hidden, fan-out width)."""
+        kind, b, c, w, all_logits, hidden, fanout = shape
+        layout = self._layout(b, c, w, fanout)
+        return lambda: self._lower(kind, all_logits, hidden, layout)
 
     def _lower(self, kind, all_logits, hidden, layout: InputLayout):
         """The step of `layout`'s bucket, lowered from shapes alone (the pools may be donated
@@ -215,10 +225,10 @@ class ModelRunner:
         logprobs = None
         if processed or k:  # only steps holding such a request pay for the program
             process = processing_arrays(batch.rows, b) if processed else None
-            tokens, logprobs = process_and_sample(rows, sampling, process, self.prev_tokens,
-                                                  len(tokens), k)
+            shape = ("process", b, None if process is None else id_list_widths(process), k)
+            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens)
         elif np.any(sampling.temperature > 0):
-            tokens = sample_padded(rows, sampling, len(tokens))
+            tokens = self._sample(("sample", b), rows, sampling)
         self.prev_tokens = tokens
         t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
         self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
@@ -242,14 +252,23 @@ class ModelRunner:
                        None if hidden is None else [hidden[:, r] for r in spans], lps)
 
     def _call(self, kind, all_logits, hidden, layout, packed, shape):
+        exe = self._executable(shape, lambda: self._lower(kind, all_logits, hidden, layout))
+        return exe(self.params, self.pools, packed, self.prev_tokens)
+
+    def _sample(self, shape, *args):
+        """Run sampling program `shape` (warmup_plan.sampling_programs') on `args`."""
+        exe = self._executable(shape, lambda: lower_sampling(shape, args, len(self.prev_tokens)))
+        return exe(*args)
+
+    def _executable(self, shape, lower):
+        """The compiled program of `shape` (COMPILER's, `lower()` if no thread compiled it)."""
         exe = self._exes.get(shape)
         if exe is None:
             key = self._key(*shape)
             if self.warm and not COMPILER.compiled(key):
                 log.warning("compiling a new shape after warm-up: %s", shape)
-            exe = self._exes[shape] = COMPILER.get(
-                key, lambda: self._lower(kind, all_logits, hidden, layout))
-        return exe(self.params, self.pools, packed, self.prev_tokens)
+            exe = self._exes[shape] = COMPILER.get(key, lower)
+        return exe
 
     def _static(self, kind, all_logits, hidden, layout) -> dict:
         return dict(layout=layout, kind=kind, all_logits=all_logits, hidden=hidden,

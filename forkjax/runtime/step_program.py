@@ -150,3 +150,11 @@ def process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | 
     tokens = sample(z, sampling)
     return _pad_to(tokens, size), top_logprobs(rows, tokens, k) if k else None
 
+
+def lower_sampling(shape: tuple, args: tuple, size: int):
+    """The Lowered sampling program of `shape` ("sample", B): sample_padded, or ("process", B,
+    id list widths or None, k): process_and_sample, over `args` (arrays, or their shapes:
+    jax.ShapeDtypeStruct) padded to `size` tokens."""
+    if shape[0] == "sample":
+        return sample_padded.trace(*args, size).lower()
+    return process_and_sample.trace(*args, size, shape[-1]).lower()
