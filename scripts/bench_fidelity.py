@@ -44,6 +44,7 @@ import time
 
 from forkjax.fidelity.__main__ import main as fidelity
 from forkjax.fidelity.metrics import summarize
+from forkjax.fidelity.plots import pyplot, save
 from forkjax.lora.targets import TARGETS
 from forkjax.models.builtin import trained_adapters
 from forkjax.models.gguf import GGUFCheckpoint, packaged_path
@@ -170,24 +171,22 @@ def _adapter_config(adapters: dict) -> dict:
 
 
 def plot(result: dict, out: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     names = list(result["policies"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     for label, n in dict.fromkeys((r["set"], r["context"]) for r in result["sweep"]):
         rows = {r["policy"]: r for r in result["sweep"] if (r["set"], r["context"]) == (label, n)}
         a.plot(names, [rows[p]["accuracy"] for p in names], marker="o", label=f"{label}, {n} tokens")
         b.plot(names, [rows[p]["kl"] for p in names], marker="o", label=f"{label}, {n} tokens")
+    a.set_ylim(0, 1)
     a.set_ylabel("task accuracy")
+    b.set_ylim(bottom=0)
     b.set_ylabel("KL(exact || policy), answer positions")
-    b.set_yscale("symlog", linthresh=1e-4)
     for ax in (a, b):
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "fidelity.png"), dpi=120)
+    save(fig, os.path.join(out, "fidelity.png"))
     # ForkKV Fig. 15's shape: loss against context length (first rank) and LoRA rank (first length)
     sweep = result["sweep"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -202,36 +201,40 @@ def plot(result: dict, out: str):
         xs = sorted({r[key] for r in sweep if r[other] == fixed})
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel(f"{'context tokens' if key == 'context' else 'LoRA rank'} ({other} {fixed})")
+        ax.set_ylim(bottom=0)
         ax.set_ylabel("KL(exact || policy)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "sweep.png"), dpi=120)
-    if result["strength"]:  # per set, each policy's KL per B scale and against the adapters' own effect
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-        strength = result["strength"]
-        for i, label in enumerate(dict.fromkeys(r["set"] for r in strength)):
-            mine = [r for r in strength if r["set"] == label]
-            for j, p in enumerate(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "prefix")):
-                pts = sorted((r["scale"], r["kl"], r["adapter_kl"]) for r in mine if r["policy"] == p)
-                style = dict(marker="os^"[i % 3], ls="--" if p == "base" else "-", color=f"C{j}",
-                             alpha=1.0 if i == 0 else 0.6, label=f"{label}: {p}")
-                a.plot([x for x, _, _ in pts], [y for _, y, _ in pts], **style)
-                if p != "base":
-                    b.plot([e for _, _, e in pts], [y for _, y, _ in pts], **style)
-        xs = sorted({r["scale"] for r in strength})
-        a.set_xscale("log", base=2)
-        a.set_xticks(xs, [f"×{x:g}" for x in xs])
-        a.set_xlabel("adapters' B scaled (base: the adapters' own effect)")
-        b.set_xlabel("the adapters' own effect: KL(exact || base)")
-        for ax in (a, b):
-            ax.set_yscale("log")
-            ax.set_ylabel("KL(exact || policy)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "strength.png"), dpi=120)
-    plt.close("all")
+    save(fig, os.path.join(out, "sweep.png"))
+    if result["strength"]:
+        plot_strength(result["strength"], os.path.join(out, "strength.png"))
+
+
+def plot_strength(strength: list[dict], path: str):
+    """Per set, each policy's KL as the adapters' B is scaled, and against the adapters' own
+    effect (`base`'s KL at that scale). KL on a log scale: it spans two orders of magnitude."""
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(10, 3.6))
+    for i, label in enumerate(dict.fromkeys(r["set"] for r in strength)):
+        mine = [r for r in strength if r["set"] == label]
+        for j, p in enumerate(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "prefix")):
+            pts = sorted((r["scale"], r["kl"], r["adapter_kl"]) for r in mine if r["policy"] == p)
+            style = dict(marker="os^"[i % 3], ls="--" if p == "base" else "-", color=f"C{j}",
+                         alpha=1.0 if i == 0 else 0.6, label=f"{label}: {p}")
+            a.plot([x for x, _, _ in pts], [y for _, y, _ in pts], **style)
+            if p != "base":
+                b.plot([e for _, _, e in pts], [y for _, y, _ in pts], **style)
+    xs = sorted({r["scale"] for r in strength})
+    a.set_xscale("log", base=2)
+    a.set_xticks(xs, [f"×{x:g}" for x in xs])
+    a.set_xlabel("adapters' B scaled (base: the adapters' own effect)")
+    b.set_xlim(left=0)
+    b.set_xlabel("the adapters' own effect: KL(exact || base)")
+    for ax in (a, b):
+        ax.set_yscale("log")
+        ax.set_ylabel("KL(exact || policy), log scale")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,8 @@ def plot(result: dict, path: str):
     for family, rs in by.items():
         ax.plot([r["memory_share"] for r in rs], [r["kl"] for r in rs], "o-", label=f"own base K/V: {family} k")
     ax.plot([1.0], [0.0], "ks", label="prefix (exact)")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("per-agent K/V memory (share of a full copy)")
     ax.set_ylabel("KL(exact ‖ policy) at the answer")
     ax.set_title(f"{result['model']}: {result['tasks']} tasks")

@@ -51,7 +51,7 @@ def test_fuzz_openapi_schema_finds_no_5xx(server):
 
 def test_react_agents_example_runs(server):
     run = subprocess.run([sys.executable, str(REPO / "examples" / "react_agents.py"), "--base-url",
-                          f"{server.url}/v1", "--api-key", KEY, "--rounds", "1"],
+                          f"{server.url}/v1", "--api-key", KEY, "--tiny-llama", "--rounds", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     for turn, agent in enumerate(DEMO, 1):

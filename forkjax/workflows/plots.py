@@ -33,6 +33,7 @@ def plot_throughput(rows: list[dict], path: str, title: str):
     ax.set_xscale("log", base=2)
     counts = sorted({r["workflows"] for r in rows})
     ax.set_xticks(counts, [str(n) for n in counts])
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("concurrent workflows")
     ax.set_ylabel("tasks/s" + (f" (dashed: {window})" if window else ""))
     ax.set_title(title, fontsize=8)
