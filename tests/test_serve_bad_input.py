@@ -12,6 +12,8 @@ from serve_utils import AUTH, BASE, complete
 
 LONG = "x" * 2000  # > the 1024-token context
 POOL = [1] * 1000  # fits the context, not the 960-token KV pool
+TOOLS = [{"type": "function", "function": {"name": "lookup_weather_in_the_city",
+                                           "description": "what a tool list says " * 20}}]
 
 BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, param)
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', None, 400, None),
@@ -40,8 +42,25 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "logit_bias_not_an_id": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, None, 400,
                              "logit_bias"),
     "min_tokens_over_max": ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, None, 400,
-                            None),
-    "stop_empty": ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, None),
+                            "min_tokens"),
+    "stop_empty": ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop"),
+    "empty_body": ("/v1/completions", b"", None, 400, "prompt"),
+    "null_body": ("/v1/chat/completions", b"null", None, 400, None),  # no object: no field to name
+    "empty_body_load": ("/v1/load_lora_adapter", b"", None, 400, "lora_name"),
+    "session_end_alone": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                   "session_end": True}, None, 400, "session_end"),
+    "session_tokens_alone": ("/v1/completions", {"prompt": "x", "session_tokens": 64}, None, 400,
+                             "session_tokens"),
+    "session_next_s_alone": ("/v1/completions", {"prompt": "x", "session_next_s": 0}, None, 400,
+                             "session_next_s"),
+    "best_of": ("/v1/completions", {"prompt": "x", "best_of": 2}, None, 400, "best_of"),
+    "tool_choice_required": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "tool_choice": "required"}, None, 400, "tool_choice"),
+    "response_format_json": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "response_format": {"type": "json_object"}}, None, 400,
+                             "response_format"),
+    "top_logprobs_alone": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "top_logprobs": 2}, None, 400, "top_logprobs"),
     "chat_messages_string": ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
     "chat_no_messages": ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
     "chat_bad_role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages"),
@@ -49,7 +68,7 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400, "messages"),
     "chat_over_context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, None, 400, "messages"),
     "chat_tools": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                            "tools": [{"type": "function"}]}, None, 400, None),
+                                            "tools": TOOLS}, None, 400, "tools"),
     "load_wrong_type": ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "/tmp"}, None, 400, "lora_name"),
     "load_base_name": ("/v1/load_lora_adapter", {"lora_name": BASE, "lora_path": "/tmp"}, None, 400, "lora_name"),
     "unload_unknown": ("/v1/unload_lora_adapter", {"lora_name": "nobody"}, None, 404, "lora_name"),
@@ -59,9 +78,10 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "chunked_too_large": ("/v1/completions", "chunked", None, 413, None),
     "unknown_route": ("/v1/nothing", {}, None, 404, None),
     "too_many_prompts": ("/v1/completions", {"prompt": ["a"] * 65}, None, 400, "prompt"),
-    "lone_surrogate": ("/v1/completions", b'{"prompt": "\\ud800"}', None, 400, None),
+    "lone_surrogate": ("/v1/completions", b'{"prompt": "\\ud800"}', None, 400, "prompt"),
     "lone_surrogate_name": ("/v1/load_lora_adapter", b'{"lora_name": "\\udc80x", "lora_path": "/tmp"}',
-                            None, 400, None),
+                            None, 400, "lora_name"),
+    "lone_surrogate_key": ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', None, 400, None),
     "deep_nesting": ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400, None),
     "session_id_wrong_type": ("/v1/completions", {"prompt": "x", "session_id": 7}, None, 400, "session_id"),
     "session_id_too_long": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -97,8 +117,16 @@ def test_bad_input_gets_an_openai_error(server, name):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["param"] == param, error
+    assert error["param"] == param, error  # the top-level field at fault, or null where none is
+
+
+def test_refusals_name_the_field_without_quoting_its_value(server):
+    with server.http() as http:
+        tools = send_bad(http, "chat_tools").json()["error"]
+        empty = send_bad(http, "empty_body").json()["error"]
+    assert tools["message"] == "tools: only [] or null is supported by this server"
+    assert "lookup_weather" not in tools["message"]
+    assert empty["message"] == "the request body is empty: expected a JSON object with prompt"
 
 
 def test_bad_input_changes_nothing(server):

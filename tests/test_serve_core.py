@@ -13,6 +13,7 @@ import pytest
 from scripted_core import Peer, ScriptedCore, ScriptedEngine, front_end
 
 from forkjax.cache.policy import salted
+from forkjax.engine.requests import InvalidArgument
 from forkjax.sampling_params import SamplingParams
 from forkjax.server import messages as m
 
@@ -197,6 +198,21 @@ def test_bad_fanout_is_refused_before_anything_is_queued(http, core):
     assert completion(["ghost"]) == (404, "fanout_adapters", "model_not_found")
     assert core.engine.added == []
     assert completion([])[0] == 200  # [] is no fan-out, under any policy
+
+
+def test_the_engines_refusal_names_the_field_at_fault(http, core, monkeypatch):
+    def refuse(param):
+        def add_request(*args, **kwargs):
+            raise InvalidArgument(param, f"{param} is wrong")
+        monkeypatch.setattr(core.engine, "add_request", add_request)
+
+    refuse("fanout_adapters")
+    r = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2, "fanout_adapters": ["a"]})
+    assert r.status_code == 400 and r.json()["error"] | {"type": None} == {
+        "message": "fanout_adapters is wrong", "type": None, "param": "fanout_adapters", "code": None}
+    refuse("prompt")  # the engine's prompt is a chat request's messages
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_flush_cache_runs_in_the_core_behind_the_key(http, core):

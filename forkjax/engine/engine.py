@@ -15,7 +15,7 @@ from forkjax.cache import check_shared_lora_a, residual_copies_for
 from forkjax.config import EngineConfig
 from forkjax.engine.engine_core import EngineCore
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
-from forkjax.engine.sequence import SamplingParams
+from forkjax.engine.sequence import SamplingParams, Sequence
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import check_fits
 
@@ -183,20 +183,34 @@ class Engine(EngineCore):
         `return_hidden_states`: also [L + 1, len(prompt) - start, d] float32 hidden states of the
         same positions, as HF's `output_hidden_states` (the embeddings, every layer's output but
         the last, the final normed state) -> (logits, hidden)."""
-        n = len(prompt_ids)
-        if not isinstance(start, int) or not 0 <= start < max(n, 1):
-            raise ValueError(f"start={start!r}: expected an int in [0, {n})")
-        seq = self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
-                               cache_salt=cache_salt, score_from=start,
-                               return_hidden=return_hidden_states)
+        seq = self.add_score_request(prompt_ids, adapter, start=start, cache_salt=cache_salt,
+                                     return_hidden_states=return_hidden_states)
         try:
             self._run_until_done([seq])
         except BaseException:
             self.abort(seq)
             raise
+        return self.scored(seq)
+
+    def add_score_request(self, prompt_ids, adapter=None, *, start: int = 0,
+                          cache_salt: str | None = None, return_hidden_states: bool = False) -> Sequence:
+        """Queue what `score` computes as a request that `step` runs chunk by chunk like any
+        other (a server keeps serving, and may `abort` it); once it has finished without an
+        error, `scored(seq)` is `score`'s result."""
+        n = len(prompt_ids)
+        if not isinstance(start, int) or not 0 <= start < max(n, 1):
+            raise ValueError(f"start={start!r}: expected an int in [0, {n})")
+        return self.add_request(prompt_ids, adapter, SamplingParams(max_new_tokens=0), score=True,
+                                cache_salt=cache_salt, score_from=start,
+                                return_hidden=return_hidden_states)
+
+    @staticmethod
+    def scored(seq: Sequence):
+        """`score`'s result of a finished score request (`add_score_request`)."""
+        n, start = len(seq.prompt), seq.score_from
         # The request computed from start or from where the cache ran out, whichever came first.
         logits = np.concatenate(seq.prompt_logits, axis=0)[-(n - start):].astype(np.float32)
-        if not return_hidden_states:
+        if not seq.return_hidden:
             return logits
         return logits, np.concatenate(seq.prompt_hidden, axis=1)[:, -(n - start):]
 

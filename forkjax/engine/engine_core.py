@@ -25,7 +25,8 @@ from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
-from forkjax.engine.requests import check_salt, check_session, fanout_targets, prompt_ids
+from forkjax.engine.requests import (InvalidArgument, check_salt, check_session, fanout_targets,
+                                     prompt_ids)
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S
@@ -138,7 +139,8 @@ class EngineCore:
                     session_next_s: float | None = None, fanout_adapters=None,
                     cache_salt: str | None = None, score_from: int = 0,
                     return_hidden: bool = False) -> Sequence:
-        """Validate and queue one request (ValueError / KeyError and nothing queued if bad).
+        """Validate and queue one request (ValueError / KeyError and nothing queued if bad; an
+        InvalidArgument, a ValueError, names the argument at fault).
 
         `session_id`: requests of one workflow: the engine admits whole workflows as their
         projected peak working sets fit, and keeps a workflow's pages between its turns
@@ -161,8 +163,8 @@ class EngineCore:
         params = params or SamplingParams()
         bad = [t for t, _ in params.logit_bias if t >= self.model_cfg.vocab_size]
         if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is not in the vocabulary "
-                             f"({self.model_cfg.vocab_size} tokens)")
+            raise InvalidArgument("logit_bias", f"logit_bias: token id {bad[0]} is not in the "
+                                                f"vocabulary ({self.model_cfg.vocab_size} tokens)")
         if not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids)))

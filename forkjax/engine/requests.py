@@ -1,5 +1,5 @@
 """Validation of what a request brings: its prompt, its cache salt, its session fields and its
-fan-out group (ValueError or KeyError, naming what is wrong, before anything is queued)."""
+fan-out group (InvalidArgument or KeyError, naming what is wrong, before anything is queued)."""
 
 from __future__ import annotations
 
@@ -8,46 +8,61 @@ from forkjax.config import EngineConfig
 from forkjax.lora.slots import AdapterSlots
 
 
+class InvalidArgument(ValueError):
+    """A request's argument `param` (its name in `add_request`) is wrong: a server answers
+    naming that field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
     """A string (tokenized) or token ids -> token ids within the vocabulary and the context."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("string prompts need a tokenizer; this model has none: pass token ids")
+            raise InvalidArgument("prompt", "string prompts need a tokenizer; this model has none: "
+                                            "pass token ids")
         prompt = tokenizer.encode(prompt)
     try:
         ids = [int(t) for t in prompt]
     except (TypeError, ValueError):
-        raise ValueError("a prompt must be a string or a list of token ids") from None
+        raise InvalidArgument("prompt", "a prompt must be a string or a list of token ids") from None
     if not ids:
-        raise ValueError("empty prompt")
+        raise InvalidArgument("prompt", "empty prompt")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        raise InvalidArgument("prompt", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     if len(ids) > max_model_len:
-        raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of {max_model_len}")
+        raise InvalidArgument("prompt", f"prompt of {len(ids)} tokens exceeds the context of "
+                                        f"{max_model_len}")
     return ids
 
 
 def check_salt(cache_salt) -> str | None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt={cache_salt!r}: expected a non-empty string")
+        raise InvalidArgument("cache_salt", f"cache_salt={cache_salt!r}: expected a non-empty string")
     return cache_salt
 
 
 def check_session(session_id, session_end, session_tokens, session_next_s=None) -> None:
     if session_id is not None and not isinstance(session_id, str):
-        raise ValueError(f"session_id={session_id!r}: expected a string")
+        raise InvalidArgument("session_id", f"session_id={session_id!r}: expected a string")
     if not isinstance(session_end, bool):
-        raise ValueError(f"session_end={session_end!r}: expected a bool")
+        raise InvalidArgument("session_end", f"session_end={session_end!r}: expected a bool")
     if session_tokens is not None and (isinstance(session_tokens, bool) or not isinstance(
             session_tokens, int) or session_tokens < 1):
-        raise ValueError(f"session_tokens={session_tokens!r}: expected an int >= 1")
+        raise InvalidArgument("session_tokens",
+                              f"session_tokens={session_tokens!r}: expected an int >= 1")
     if session_next_s is not None and (isinstance(session_next_s, bool) or not isinstance(
             session_next_s, (int, float)) or not 0 <= session_next_s < float("inf")):
-        raise ValueError(f"session_next_s={session_next_s!r}: expected seconds >= 0")
+        raise InvalidArgument("session_next_s",
+                              f"session_next_s={session_next_s!r}: expected seconds >= 0")
     if session_id is None and (session_end or session_tokens is not None
                                or session_next_s is not None):
-        raise ValueError("session_end, session_tokens and session_next_s need a session_id")
+        given = "session_end" if session_end else "session_tokens" if session_tokens is not None \
+            else "session_next_s"
+        raise InvalidArgument(given, "session_end, session_tokens and session_next_s need a session_id")
 
 
 def slot_fanout(slots: AdapterSlots, own: str | None, width: int) -> list[str]:
@@ -66,10 +81,12 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
     if names is None:
         names = slot_fanout(slots, own, config.fanout_width) if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"fanout_adapters={names!r}: expected a list of adapter names")
+        raise InvalidArgument("fanout_adapters",
+                              f"fanout_adapters={names!r}: expected a list of adapter names")
     names = list(names)
     if names and config.cache_policy != "forkkv":
-        raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {config.cache_policy!r}")
+        raise InvalidArgument("fanout_adapters", "residual fan-out needs cache_policy='forkkv', "
+                                                 f"not {config.cache_policy!r}")
     out, keys = {}, {own_key}
     for name in names:
         key = salted(slots.key_of(name), salt)  # KeyError for an unknown one
@@ -77,13 +94,13 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
             keys.add(key)
             out[name] = key
     if len(out) > config.fanout_width:
-        raise ValueError(f"fanout_adapters names {len(out)} adapters, more than the engine's "
-                         f"max_fanout_adapters={config.fanout_width} (a width of its compiled step; "
-                         f"set it at start, up to max_loras - 2)")
+        raise InvalidArgument("fanout_adapters", f"fanout_adapters names {len(out)} adapters, more "
+                              f"than the engine's max_fanout_adapters={config.fanout_width} (a width "
+                              "of its compiled step; set it at start, up to max_loras - 2)")
     need = {own, *out} - {None}
     room = slots.num_slots - 1 - len(slots.pinned - need)
     if len(need) > room:
-        raise ValueError(f"the request needs {len(need)} adapters in device slots at once (its own and "
-                         f"its fan-out targets) but {room} slots can take them (max_loras="
-                         f"{slots.num_slots}, pinned: {sorted(slots.pinned)})")
+        raise InvalidArgument("fanout_adapters", f"the request needs {len(need)} adapters in device "
+                              f"slots at once (its own and its fan-out targets) but {room} slots can "
+                              f"take them (max_loras={slots.num_slots}, pinned: {sorted(slots.pinned)})")
     return out

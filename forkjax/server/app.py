@@ -27,6 +27,7 @@ from forkjax.server.protocol import (
 from forkjax.server.serving import OpenAIServing
 from forkjax.server.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)
+from forkjax.server.validation import describe_errors
 
 log = logging.getLogger("forkjax.serve")
 
@@ -180,13 +181,8 @@ def _install_error_handlers(app: FastAPI, client: CoreClient):
         if errors and errors[0].get("type") == "json_invalid":
             error = errors[0].get("ctx", {}).get("error", "JSON decode error")
             return JSONResponse(APIError(400, f"malformed JSON body: {error}").body(), status_code=400)
-        paths = [".".join(str(p) for p in err.get("loc", ()) if p != "body") for err in errors]
-        if paths == [""] and errors[0].get("type") in ("model_attributes_type", "dict_type"):
-            message = "the request body must be a JSON object sent as Content-Type: application/json"
-        else:
-            message = "; ".join((f"{path}: " if path else "") + err["msg"].removeprefix("Value error, ")
-                                for path, err in zip(paths[:3], errors))
-        param = paths[0].split(".")[0] if paths and paths[0] else None
+        body = getattr(request.scope.get("route"), "body_field", None)  # FastAPI's ModelField
+        message, param = describe_errors(errors, body.field_info.annotation if body else None)
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -32,11 +32,12 @@ START_POLL_MS = 500  # while the core loads: how often the front end checks that
 
 
 class CoreError(Exception):
-    """A call or submit the core refused or failed: `kind` says how (messages.ErrorKind)."""
+    """A call or submit the core refused or failed: `kind` says how (messages.ErrorKind),
+    `param` which field of the request was at fault, where the core said."""
 
-    def __init__(self, kind: m.ErrorKind, message: str):
+    def __init__(self, kind: m.ErrorKind, message: str, param: str | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.param = kind, param
 
 
 class CoreDied(RuntimeError):
@@ -170,6 +171,10 @@ class CoreClient:
         try:
             self._send(kind(client=self.client, call=call, **fields))
             return await future
+        except asyncio.CancelledError:
+            if kind is m.Score:  # its client left: the core stops computing it
+                self.abort(call)
+            raise
         finally:
             self._calls.pop(call, None)
 
@@ -189,7 +194,7 @@ class CoreClient:
                     if msg.error is None:
                         future.set_result(msg.result)
                     else:
-                        future.set_exception(CoreError(msg.kind, msg.error))
+                        future.set_exception(CoreError(msg.kind, msg.error, msg.param))
 
     def _deliver(self, out: m.Output, now: float):
         stream = self._streams.get(out.rid)

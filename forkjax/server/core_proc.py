@@ -1,9 +1,11 @@
 """The engine-core process: the one owner of the Engine and the device, running the step loop
 and answering the front ends' messages (messages.py) between steps (vLLM's EngineCoreProc).
 
-A front end's message waits at most one step. The loop blocks on its input socket only while
-the engine has nothing to do. Each step's new tokens go back batched: one `Outputs` per front
-end that had a request make progress.
+A front end's message waits at most one step: an abort takes effect before the next prefill
+chunk is scheduled. A `Score` runs as a request of the loop, chunk by chunk beside the others,
+and is answered when it finishes (or dropped when its front end aborts it). The loop blocks on
+its input socket only while the engine has nothing to do. Each step's new tokens go back
+batched: one `Outputs` per front end that had a request make progress.
 
 Unloading (or replacing) an adapter waits until the requests running on it finish. The loop
 keeps stepping meanwhile, so every other request keeps flowing. Requests for that adapter that
@@ -68,6 +70,14 @@ class Handle:
 
 
 @dataclasses.dataclass(eq=False)
+class _Scoring:
+    """A front end's Score call, run as a request of the step loop: answered when it finishes."""
+    msg: m.Score
+    seq: object  # engine Sequence
+    failure: Exception | None = None  # why it ended early: its front end stopping, the engine failing
+
+
+@dataclasses.dataclass(eq=False)
 class _Barrier:
     """`action` runs once no request on adapter `msg.name` is live, then `msg` (a load or an
     unload) is answered; submits for that adapter wait here."""
@@ -90,6 +100,7 @@ class EngineCoreProc:
         self.parent_alive = parent_alive
         self.live: dict[int, Handle] = {}  # seq.id -> handle
         self.by_request: dict[tuple[int, int], list[Handle]] = {}  # (client, rid) -> its choices
+        self.scores: dict[tuple[int, int], _Scoring] = {}  # (client, call) -> its request
         self.barriers: list[_Barrier] = []
         self.stopping: set[int] = set()  # front ends whose requests are refused
         self.closing = False
@@ -118,6 +129,7 @@ class EngineCoreProc:
                     log.exception("engine step failed; failing the requests in flight")
                     self._fail_all(e)
             self._publish()
+            self._answer_scores()
             self._release_barriers()
         self._reader.shutdown(wait=False, cancel_futures=True)
 
@@ -141,7 +153,7 @@ class EngineCoreProc:
         elif isinstance(msg, m.Abort):
             self._abort(msg)
         elif isinstance(msg, m.Score):
-            self._call(msg, lambda: self._score(msg))
+            self._score(msg)
         elif isinstance(msg, m.LoadAdapter):
             self._load_adapter(msg)
         elif isinstance(msg, m.UnloadAdapter):
@@ -180,7 +192,8 @@ class EngineCoreProc:
             self.send(msg.client, m.Reply(msg.call, result=result))
         else:
             text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-            self.send(msg.client, m.Reply(msg.call, error=text, kind=error_kind(error)))
+            self.send(msg.client, m.Reply(msg.call, error=text, kind=error_kind(error),
+                                          param=getattr(error, "param", None)))
 
     def _call(self, msg, fn: Callable[[], object]):
         """Answer `msg` with fn()'s result or error."""
@@ -213,10 +226,32 @@ class EngineCoreProc:
         return {k: v.item() if hasattr(v, "item") else v for k, v in s.items()
                 if isinstance(v, (numbers.Number, str))}
 
-    def _score(self, msg: m.Score) -> list:
-        logits = self.engine.score(msg.prompt, msg.adapter, cache_salt=msg.cache_salt)
-        return [[lp, top.tolist(), top_lps.tolist(), rank]
-                for lp, top, top_lps, rank in score_entries(logits, msg.prompt, msg.k)]
+    def _score(self, msg: m.Score):
+        """Queue the prompt's scoring; the loop steps it chunk by chunk (serving every other
+        message in between) and `_answer_scores` replies."""
+        if msg.client in self.stopping:
+            self.reply(msg, error=ShuttingDown("the server is shutting down"))
+            return
+        try:
+            seq = self.engine.add_score_request(msg.prompt, msg.adapter, cache_salt=msg.cache_salt)
+        except Exception as e:
+            self.reply(msg, error=e)
+            return
+        self.scores[(msg.client, msg.call)] = _Scoring(msg, seq)
+
+    def _answer_scores(self):
+        for key, s in list(self.scores.items()):
+            seq = s.seq
+            if seq.status is not Status.FINISHED:
+                continue
+            del self.scores[key]
+            error = s.failure or seq.error
+            if error is not None:
+                self.reply(s.msg, error=error)
+            elif seq.finish_reason != "abort":  # aborted by its front end: nobody waits for it
+                self._call(s.msg, lambda: [
+                    [lp, top.tolist(), top_lps.tolist(), rank] for lp, top, top_lps, rank
+                    in score_entries(self.engine.scored(seq), s.msg.prompt, s.msg.k)])
 
     # ---- adapters -------------------------------------------------------------------------
 
@@ -263,7 +298,7 @@ class EngineCoreProc:
 
     def _release_barriers(self):
         for b in list(self.barriers):
-            if any(self._uses(h.seq, b.name) for h in self.live.values()):
+            if any(self._uses(r.seq, b.name) for r in (*self.live.values(), *self.scores.values())):
                 continue
             self.barriers.remove(b)
             try:
@@ -316,6 +351,9 @@ class EngineCoreProc:
         self.reply(msg)
 
     def _abort(self, msg: m.Abort):
+        scoring = self.scores.get((msg.client, msg.rid))
+        if scoring is not None:
+            self.engine.abort(scoring.seq)
         for h in self.by_request.get((msg.client, msg.rid), ()):
             if (msg.indices is None or h.index in msg.indices) and h.seq.id in self.live:
                 h.stopped = msg.stop
@@ -327,6 +365,10 @@ class EngineCoreProc:
             if h.client == client:
                 h.shut_down = True
                 self.engine.abort(h.seq)
+        for (owner, _), s in self.scores.items():
+            if owner == client:
+                s.failure = ShuttingDown("the server is shutting down")
+                self.engine.abort(s.seq)
         for b in self.barriers:
             mine = [s for s in b.held if s.client == client]
             b.held = [s for s in b.held if s.client != client]
@@ -334,7 +376,7 @@ class EngineCoreProc:
                 self.reply(s, error=ShuttingDown("the server is shutting down"))
 
     def _fail_all(self, error: Exception):
-        for h in self.live.values():
+        for h in (*self.live.values(), *self.scores.values()):
             h.failure = error
             try:
                 self.engine.abort(h.seq)

@@ -59,8 +59,8 @@ class Submit(_Message):
 
 
 class Abort(_Message):
-    """End choices of a request (None: all of them) and free their pages; `stop`: the front end
-    found a stop string, so they end "stop"."""
+    """End choices of a request (None: all of them), or the `Score` call `rid` (its client left),
+    and free their pages; `stop`: the front end found a stop string, so they end "stop"."""
     client: int
     rid: int
     indices: list[int] | None = None
@@ -156,11 +156,13 @@ class Ready(_Message):
 
 
 class Reply(_Message):
-    """The answer to call `call`: `result`, or `error` of `kind`."""
+    """The answer to call `call`: `result`, or `error` of `kind` (with `param`, the request's
+    field at fault where the engine named it: its argument's name in `add_request`)."""
     call: int
     result: Any = None
     error: str | None = None
     kind: ErrorKind | None = None
+    param: str | None = None
 
 
 class Output(msgspec.Struct, array_like=True, omit_defaults=True):

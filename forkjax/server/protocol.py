@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
-                                       MAX_STOP, MAX_STOP_CHARS, OpenAIRequest, StrictBody)
+                                       MAX_STOP, MAX_STOP_CHARS, FieldError, OpenAIRequest,
+                                       StrictBody)
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -107,7 +108,18 @@ class _Sampling(OpenAIRequest):
     def _check_stop(self):
         stops = self.stop_strings
         if len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+            raise FieldError("stop", f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} "
+                                     "characters")
+        return self
+
+    @model_validator(mode="after")
+    def _check_session(self):
+        if self.session_id is None:
+            for name, given in (("session_end", self.session_end),
+                                ("session_tokens", self.session_tokens is not None),
+                                ("session_next_s", self.session_next_s is not None)):
+                if given:
+                    raise FieldError(name, f"{name} needs a session_id")
         return self
 
     @property
@@ -184,9 +196,10 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check_format(self):
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format type {self.response_format.type!r} is not supported")
+            raise FieldError("response_format", "response_format: only type 'text' is supported "
+                                                "by this server")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     @property

@@ -24,7 +24,8 @@ from forkjax.server.protocol import (
     ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
     UsageInfo)
 from forkjax.server.logprobs import chat_logprobs, completion_logprobs, echoed, vllm_prompt_logprobs
-from forkjax.server.streaming import Generation, PromptOnly, gather, sse, unless_disconnected
+from forkjax.server.streaming import (ClientLeft, Generation, PromptOnly, client_left, gather, sse,
+                                      unless_disconnected, until_disconnected)
 from forkjax.server.validation import MAX_CHOICES
 
 
@@ -87,6 +88,9 @@ class OpenAIServing:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={req.min_tokens} exceeds the {max_tokens} tokens the "
+                                "completion may have", param="min_tokens")
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
@@ -135,8 +139,9 @@ class OpenAIServing:
                                    code="model_not_found") from None
                 gone = [n for n in fanout if n not in self.client.adapters]
                 raise _unknown_fanout((gone or fanout)[0]) from None
-            if e.kind == "invalid":
-                param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+            if e.kind == "invalid":  # the engine's argument names are the body's, but for the prompt
+                param = e.param if e.param not in (None, "prompt") else (
+                    "prompt" if isinstance(req, CompletionRequest) else "messages")
                 raise APIError(400, str(e), param=param) from None
             raise
         return Generation(self.client, rid, stream, self.tokenizer, req.stop_strings,
@@ -187,7 +192,12 @@ class OpenAIServing:
         adapter = self.adapter_for(req.model)
         prompts = self.completion_prompts(req.prompt, req.n)
         budgets = [self.max_tokens(req.max_tokens or 1, len(p), "prompt") for p in prompts]
-        scores = await self.score_prompts(req, adapter, prompts)
+        scores = None
+        if req.scores_prompt is not None:
+            try:  # scored chunk by chunk in the core: a client that leaves meanwhile stops it
+                scores = await until_disconnected(raw, self.score_prompts(req, adapter, prompts))
+            except ClientLeft:
+                return client_left()
         gen = (await self.start(req, adapter, prompts, budgets) if req.max_tokens != 0
                else PromptOnly(len(prompts) * req.n))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -3,8 +3,8 @@
 The choices' outputs arrive on one asyncio queue (`Generation.events`), are detokenized per
 choice, cut at stop strings, and either collected into one response (`gather`) or streamed as
 server-sent events (`sse`). A client that goes away aborts its choices, which frees their
-pages: a stream notices on its next write, a plain request through a watcher of the connection
-(`unless_disconnected`).
+pages: a stream through Starlette's watcher of the connection, a plain request through ours
+(`unless_disconnected`), as does a prompt being scored before either (`until_disconnected`).
 """
 
 from __future__ import annotations
@@ -128,8 +128,12 @@ def sse(chunks: AsyncIterator, gen: Generation) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def unless_disconnected(raw: Request, work, gen: Generation):
-    """Await `work` unless the client disconnects first; then abort its choices."""
+class ClientLeft(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def until_disconnected(raw: Request, work):
+    """Await `work`; if the client disconnects first, cancel it and raise ClientLeft."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(raw))
     try:
@@ -140,9 +144,22 @@ async def unless_disconnected(raw: Request, work, gen: Generation):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        gen.close()
     if task in done:
         return task.result()
+    raise ClientLeft
+
+
+async def unless_disconnected(raw: Request, work, gen: Generation):
+    """Await `work` unless the client disconnects first; then abort its choices."""
+    try:
+        return await until_disconnected(raw, work)
+    except ClientLeft:
+        return client_left()
+    finally:
+        gen.close()
+
+
+def client_left() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 

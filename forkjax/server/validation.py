@@ -29,6 +29,15 @@ MAX_ID_CHARS, MAX_FANOUT = 256, 256
 MAX_LOGIT_BIAS = 300
 
 
+class FieldError(ValueError):
+    """A check of a body that concerns one field, whichever validator runs it: the error
+    response names `field` as its `param`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def check_unicode(data):
     """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or encoder accepts: refuse
     them up front. Iterative, so any nesting depth the JSON parser allowed is fine."""
@@ -54,8 +63,15 @@ class StrictBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data):
-        check_unicode(data)
-        if isinstance(data, dict):
+        if not isinstance(data, dict):
+            check_unicode(data)
+        else:
+            check_unicode(list(data))  # the names first: a bad one is no field to name
+            for name, value in data.items():
+                try:
+                    check_unicode(value)
+                except ValueError as e:
+                    raise FieldError(name, str(e)) from None
             # JSON has one number type: 2.0 is the integer 2 (Python's json writes it so)
             data = {k: int(v) if isinstance(v, float) and v.is_integer() and _integer_field(cls, k)
                     else v for k, v in data.items()}
@@ -84,6 +100,39 @@ class OpenAIRequest(StrictBody):
     def _refuse_unsupported(self):
         for name, neutral in self.neutral_values.items():
             value = getattr(self, name)
-            if value is not None and value not in neutral:
-                raise ValueError(f"{name}={value!r} is not supported by this server")
+            if value is not None and value not in neutral:  # the value may be long: not quoted
+                accepted = " or ".join(map(repr, neutral))
+                raise FieldError(name, f"{name}: only {accepted} or null is supported by this server")
         return self
+
+
+def describe_errors(errors: list[dict], body: type[BaseModel] | None) -> tuple[str, str | None]:
+    """A body's validation errors (FastAPI's, located under "body") -> (the message, naming up to
+    three; the top-level field at fault first, OpenAI's `param`). `body`: the route's body model,
+    whose required fields an empty body lacks."""
+    paths = [_path(err) for err in errors]
+    if paths == [""] and errors[0].get("type") == "missing" and body is not None:
+        required = [name for name, f in body.model_fields.items() if f.is_required()]
+        if required:
+            return (f"the request body is empty: expected a JSON object with {', '.join(required)}",
+                    required[0])
+    if paths == [""] and errors[0].get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object sent as Content-Type: application/json", None
+    messages = [err["msg"].removeprefix("Value error, ") for err in errors[:3]]
+    message = "; ".join(f"{path}: {text}" if path and not text.startswith(path) else text
+                        for path, text in zip(paths, messages))
+    return message, (paths[0].split(".")[0] or None) if paths else None
+
+
+def _raised(err: dict) -> BaseException | None:
+    """The exception a validator raised for this error, if one did."""
+    return (err.get("ctx") or {}).get("error")
+
+
+def _path(err: dict) -> str:
+    """The dotted path of the field at fault below the body ("": the body itself)."""
+    raised = _raised(err)
+    if isinstance(raised, FieldError):
+        return raised.field
+    loc = tuple(err.get("loc", ()))
+    return ".".join(str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc))
