@@ -86,6 +86,7 @@ class DecodeRows:
                 x["base_slots"][i], x["res_slots"][i] = row.base_slots[0], row.res_slots[0]
                 for j, (slot, slots) in enumerate(row.fan_slots.items()):
                     x["fan_adapters"][i, j], x["fan_slots"][i, j] = slot, slots[0]
+
         def padded(values, fill=0):  # [n] -> [b]: the padding rows' values (greedy) after them
             return np.concatenate([values, np.full(b - n, fill, values.dtype)])
         sampling = SamplingArrays(padded(self.temperature[idx]), padded(self.top_p[idx], 1),

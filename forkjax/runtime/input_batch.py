@@ -124,7 +124,6 @@ def build_inputs(batch: ScheduledBatch, layout: InputLayout) -> tuple[np.ndarray
         x["sample_rows"][i] = i * c + e - s - 1
         if e - s == 1 and row.tokens[0] == PENDING:  # sampled by the previous step
             prev_rows[i * c] = row.prev_row
-    for i, row in enumerate(rows):
         bpt, rpt = row.base_page_table, row.res_page_table
         base_pt[i, :len(bpt)], res_pt[i, :len(rpt)] = bpt, rpt
     return buf, sampling_arrays(rows, b)
