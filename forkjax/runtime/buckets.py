@@ -1,6 +1,9 @@
 """The static shapes the ModelRunner compiles: every batch is padded up to one of them.
 
-Decode: batch sizes 1, 2, 4, ... up to max_batch_size (the hot path: little padding).
+Decode: batch sizes 4, 8, 16, ... up to max_batch_size (the hot path: little padding). None is
+smaller than MIN_DECODE_ROWS: XLA on a GPU runs a one-row GEMM over a dynamic slice of the
+scanned layers' weights as a matrix-vector fusion several times slower than four rows on cuBLAS
+(BENCHMARKS.md, Engine decode and prefill).
 Extend: chunk tokens C in 16, 64, 256, ... and requests B in 1, 4, 16, ... with B·C within
 max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs. A chunk
 longer than `piece` tokens goes as consecutive pieces of at most `piece`, one row each
@@ -23,6 +26,7 @@ many steps as by default. One page-table width.
 from __future__ import annotations
 
 MIN_CHUNK = 16
+MIN_DECODE_ROWS = 4
 MIN_PAGE_WIDTH = 1024
 
 
@@ -45,7 +49,7 @@ class Buckets:
             self.extend_sizes = {c: [max(1, min(max_batch_size, max_prefill_tokens // c))]}
             self.piece = c
             return
-        self.decode_sizes = _ladder(max_batch_size, 1, 2)
+        self.decode_sizes = _ladder(max_batch_size, min(MIN_DECODE_ROWS, max_batch_size), 2)
         self.chunk_sizes = _ladder(max_prefill_tokens, MIN_CHUNK, 4)
         self.extend_sizes = {c: _ladder(max(1, min(max_batch_size, max_prefill_tokens // c)), 1, 4)
                              for c in self.chunk_sizes}

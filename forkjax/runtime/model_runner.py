@@ -197,8 +197,7 @@ class ModelRunner:
         args = (self.graphdef, self.state_def, jax.tree.map(shape, self.params),
                 jax.tree.map(shape, self.pools), jax.ShapeDtypeStruct((layout.size,), jnp.int32),
                 shape(self.prev_tokens))
-        program = step_program(layout.b * layout.c)
-        return program.trace(*args, **self._static(kind, all_logits, hidden, layout)).lower()
+        return step_program.trace(*args, **self._static(kind, all_logits, hidden, layout)).lower()
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -102,20 +102,11 @@ _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
             static_argnames=("layout", "kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
 # XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
 # one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
-_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
-_step = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
-# Steps of 64 tokens or more run their GEMMs on cuBLAS, where XLA's autotuned Triton GEMMs are
-# slower; below 64 tokens cuBLAS is the slower one (BENCHMARKS.md, Engine decode and
-# prefill).
-CUBLAS_FROM_TOKENS = 64
-_step_cublas = jax.jit(_forward, **_JIT,
-                       compiler_options={**_OPTIONS, "xla_gpu_enable_triton_gemm": False})
-
-
-def step_program(num_tokens: int):
-    """The jitted step for a bucket of `num_tokens` rows (its GEMMs on cuBLAS from
-    CUBLAS_FROM_TOKENS)."""
-    return _step_cublas if num_tokens >= CUBLAS_FROM_TOKENS else _step
+# The GEMMs run on cuBLAS at every size: inside the scanned layers a weight is a dynamic slice
+# of its stacked array, and XLA's Triton GEMM fusions over such slices took twice cuBLAS's step
+# time at 16 rows (BENCHMARKS.md, Engine decode and prefill).
+_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
+step_program = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
 
 
 def _pad_to(tokens, size: int):
