@@ -222,11 +222,13 @@ class ModelRunner:
             batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
         processed = any(r.params.processed for r in whole)  # such rows come whole
         k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0
+        masks = None if batch.token_masks is None else _padded_rows(batch.token_masks, b)
         logprobs = None
-        if processed or k:  # only steps holding such a request pay for the program
+        if processed or k or masks is not None:  # only steps holding such a request pay for it
             process = processing_arrays(batch.rows, b) if processed else None
-            shape = ("process", b, None if process is None else id_list_widths(process), k)
-            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens)
+            shape = ("process", b, None if process is None else id_list_widths(process),
+                     masks is not None, k)
+            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens, masks)
         elif np.any(sampling.temperature > 0):
             tokens = self._sample(("sample", b), rows, sampling)
         self.prev_tokens = tokens
@@ -301,3 +303,10 @@ class ModelRunner:
                         else 1 << (n - 1).bit_length())
         self.pools = copy_pages_program(self.tp)(self.pools, *kv_pools.copy_index_arrays(base_pairs, size),
                                                  *kv_pools.copy_index_arrays(res_pairs, size))
+
+
+def _padded_rows(masks: np.ndarray, b: int) -> np.ndarray:
+    """masks [n, W] -> [b, W]: the padding rows allow every token."""
+    out = np.full((b, masks.shape[1]), -1, np.int32)
+    out[:len(masks)] = masks
+    return out

@@ -51,8 +51,10 @@ def sampling_programs(buckets: Buckets, vocab_size: int, prev_tokens: jax.Array,
         rows = jax.ShapeDtypeStruct((b, vocab_size), jnp.float32, sharding=prev_tokens.sharding)
         sampling, process = sampling_arrays([], b), processing_arrays([], b)
         lists = id_list_widths(process)
+        masks = jax.ShapeDtypeStruct((b, (vocab_size + 31) // 32), jnp.int32, sharding=prev_tokens.sharding)
         out += [(("sample", b), (rows, sampling)),
-                (("process", b, None, k), (rows, sampling, None, prev)),
-                (("process", b, lists, 0), (rows, sampling, process, prev)),
-                (("process", b, lists, k), (rows, sampling, process, prev))]
+                (("process", b, None, False, k), (rows, sampling, None, prev, None)),
+                (("process", b, lists, False, 0), (rows, sampling, process, prev, None)),
+                (("process", b, lists, False, k), (rows, sampling, process, prev, None)),
+                (("process", b, None, True, 0), (rows, sampling, None, prev, masks))]
     return out
