@@ -15,6 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forkjax.sampling_params import MAX_LOGPROBS
+from forkjax.server.protocol_tools import (MAX_TOOLS, ChatTool, DeltaToolCall, MessageToolCall,
+                                           NamedToolChoice, ResponseFormat, StructuredOutputs,
+                                           ToolCall)
 from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                        MAX_STOP, MAX_STOP_CHARS, FieldError, OpenAIRequest,
                                        StrictBody)
@@ -98,6 +101,14 @@ class _Sampling(OpenAIRequest):
         description="requests share cached KV pages (base and residual) only with requests of the "
                     "same salt; under forkkv agents of one salt read each other's base cache, so "
                     "use one salt per trust domain")
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = Field(None, description="vLLM: the output is JSON that validates "
+                                                             "against this schema")
+    guided_regex: str | None = Field(None, description="vLLM: the output matches this regex")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark or GBNF grammar")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM: one of json, regex, choice, grammar, json_object")
     fanout_adapters: list[str] | None = Field(
         None, max_length=MAX_FANOUT,
         description="forkjax (forkkv policy): adapters whose residual KV this request also writes, so "
@@ -167,17 +178,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str
 
 
 class ChatCompletionRequest(_Sampling):
@@ -187,17 +195,18 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
-
-    neutral_values = {"tools": ([],), "tool_choice": ("none", "auto")}
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call")
 
     @model_validator(mode="after")
     def _check_format(self):
-        if self.response_format is not None and self.response_format.type != "text":
-            raise FieldError("response_format", "response_format: only type 'text' is supported "
-                                                "by this server")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise FieldError("tool_choice", f"tool_choice: no tool is named "
+                                            f"{self.tool_choice.function.name!r}")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
@@ -286,21 +295,28 @@ class CompletionResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCall] | None = _omitted_if_none()
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: ChatResponseMessage
+    delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 
 

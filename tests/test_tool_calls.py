@@ -1,0 +1,73 @@
+"""Tool-call parsing and rendering, and the token bitmask, without a server: the Hermes parser
+gives the same calls whether the text comes whole or a character at a time; the default
+template renders tools and earlier calls; the device mask refuses exactly what llguidance's own
+numpy reference refuses."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from llguidance.numpy import apply_token_bitmask_inplace
+
+from forkjax.runtime.sampler import apply_token_bitmask
+from forkjax.server.chat_template import render_default
+from forkjax.server.protocol import ChatMessage
+from forkjax.server.tool_calls import ToolCallParser
+
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+          '<tool_call>{"name": "calculate", "arguments": {"expr": "1+2"}}</tool_call>')
+
+
+def _run(parser: ToolCallParser, pieces: list[str]):
+    content, deltas = "", []
+    for i, piece in enumerate(pieces):
+        text, calls = parser.add(piece, final=i == len(pieces) - 1)
+        content, deltas = content + text, deltas + calls
+    return content, deltas
+
+
+@pytest.mark.parametrize("step", [len(HERMES), 1, 7])
+def test_hermes_calls_whole_or_streamed(step):
+    pieces = [HERMES[i:i + step] for i in range(0, len(HERMES), step)]
+    content, deltas = _run(ToolCallParser("auto"), pieces)
+    assert content == "Let me check. "
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        (0, "get_weather", {"city": "Oslo"}), (1, "calculate", {"expr": "1+2"})]
+    one = ToolCallParser("auto", parallel=False)
+    assert [d.function.name for d in _run(one, pieces)[1]] == ["get_weather"]
+
+
+def test_text_that_is_no_call_stays_content():
+    for text in ("a < b <tool", "x <tool_call>not json</tool_call> y", "<tool_call>{\"name\": 3}"):
+        content, deltas = _run(ToolCallParser("auto"), list(text))
+        assert content == text and not deltas
+    content, deltas = _run(ToolCallParser("required"), ['[{"name": "now", "para'])  # cut short
+    assert content == '[{"name": "now", "para' and not deltas
+
+
+def test_default_template_renders_tools_and_earlier_calls():
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    msgs = [ChatMessage(role="user", content="time?"),
+            ChatMessage(role="assistant", content=None, tool_calls=[call]),
+            ChatMessage(role="tool", content="12:00", tool_call_id="c1")]
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    text = render_default(msgs, True, tools)
+    assert text.startswith("<|system|>\nYou are a function calling AI model.")
+    assert json.dumps(tools) in text
+    assert ('<|assistant|>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
+            '<|tool|>\n12:00\n<|assistant|>\n') in text
+
+
+def test_bitmask_refuses_what_llguidance_refuses():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 70)).astype(np.float32)
+    masks = rng.integers(-2**31, 2**31, (3, 3), dtype=np.int64).astype(np.int32)
+    masks[2] = 0  # nothing allowed: the row keeps its logits
+    expected = logits.copy()
+    apply_token_bitmask_inplace(expected, masks)
+    expected[2] = logits[2]
+    np.testing.assert_array_equal(np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(masks))),
+                                  expected)
