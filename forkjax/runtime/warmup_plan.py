@@ -5,7 +5,8 @@
 2. The sampling programs of every sampled batch size B (buckets.Buckets.sample_sizes): sampling
    at a temperature (`sample_padded`), logprobs alone, and logits processing (penalties, logit
    bias, min_tokens) with and without logprobs (`process_and_sample`) over id lists of the
-   shortest padded width (input_batch.MIN_ID_LIST).
+   shortest padded width (input_batch.MIN_ID_LIST), and a grammar's token mask alone
+   (constrained decoding; with other processing or logprobs it compiles when first needed).
 3. Fan-out steps, where requests can fan out but the plain steps carry no fan-out inputs
    (`forkkv` without residual_fanout): a batch runs them when one of its requests writes
    residuals for other adapters (a workflow's shared prefix written for its agents).

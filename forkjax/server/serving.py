@@ -171,6 +171,10 @@ class OpenAIServing:
                     raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
             if not p:
                 raise APIError(400, "prompt is empty", param="prompt")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:  # before the ids travel to the engine (msgpack refuses ints beyond 64 bits)
+                raise APIError(400, f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
             out.append(list(p))
         return out
 
