@@ -147,6 +147,7 @@ def test_guided_choice_regex_and_grammar(server):
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "response_format", "at most one"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"guided_choice": ["a", "b"], "min_tokens": 2}, "min_tokens", "min_tokens"),
     ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
 ])
 def test_what_cannot_be_enforced_is_a_400(server, body, param, named):

@@ -128,6 +128,9 @@ class OpenAIServing:
         if guided is not None and self.tokenizer is None:
             raise APIError(400, "constrained decoding needs the model's tokenizer; this model has none",
                            param="response_format")
+        if guided is not None and req.min_tokens:  # it would mask the end the grammar may need
+            raise APIError(400, "min_tokens cannot be combined with an output constraint",
+                           param="min_tokens")
         choices = [m.Choice(ids, self.sampling(req, budget, j, guided))
                    for ids, budget in zip(prompts, max_tokens) for j in range(req.n)]
         try:
