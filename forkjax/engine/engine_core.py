@@ -171,6 +171,9 @@ class EngineCore:
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids)))
         guide = None
         if params.guided is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument("guided", "constrained decoding needs the model's tokenizer; "
+                                                "this model has none")
             try:
                 guide = Guide(params.guided, ll_tokenizer(self.tokenizer, self.model_cfg.vocab_size))
             except ValueError as e:

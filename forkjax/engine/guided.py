@@ -41,8 +41,6 @@ class _ByteTokens:
 def ll_tokenizer(tokenizer, vocab_size: int) -> llg.LLTokenizer:
     """The llguidance tokenizer of an engine's tokenizer (built once each: ~1 s for a real
     vocabulary); `vocab_size` the model's (its logits' width, at least the tokenizer's)."""
-    if tokenizer is None:
-        raise ValueError("constrained decoding needs the model's tokenizer; this model has none")
     if tokenizer not in _TOKENIZERS:
         if isinstance(tokenizer, ByteTokenizer):
             ll = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer)), n_vocab=vocab_size)

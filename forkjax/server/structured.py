@@ -15,10 +15,10 @@ import json
 import llguidance as llg
 
 from forkjax.server.protocol import APIError
+from forkjax.structured_output import checked_grammar, json_schema_grammar
 
-# JSON without free whitespace between tokens: a model cannot pad its output with blanks
-# until max_tokens (strings and arrays are bounded only by the schema).
-JSON_OPTIONS = {"whitespace_flexible": False}
+def _param(field: str) -> str:
+    return field.split(".")[0]
 
 
 def json_grammar(schema, field: str) -> str:
@@ -27,23 +27,21 @@ def json_grammar(schema, field: str) -> str:
         try:
             schema = json.loads(schema)
         except ValueError as e:
-            raise APIError(400, f"{field}: not valid JSON: {e}", param=field.split(".")[0]) from None
+            raise APIError(400, f"{field}: not valid JSON: {e}", param=_param(field)) from None
     if not isinstance(schema, dict):
-        raise APIError(400, f"{field}: a JSON schema must be an object", param=field.split(".")[0])
+        raise APIError(400, f"{field}: a JSON schema must be an object", param=_param(field))
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return json_schema_grammar(schema)
     except ValueError as e:
-        raise APIError(400, f"{field}: {e}", param=field.split(".")[0]) from None
-    return checked(grammar, field)
+        raise APIError(400, f"{field}: cannot be enforced: {e}", param=_param(field)) from None
 
 
 def checked(grammar: str, field: str) -> str:
-    """`grammar` if llguidance compiles it, else 400 with its error (which names the schema
-    keyword or the grammar construct it cannot enforce)."""
-    error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
-    if error:
-        raise APIError(400, f"{field}: cannot be enforced: {messages[0]}", param=field.split(".")[0])
-    return grammar
+    """`grammar` if llguidance compiles it, else 400 with its error."""
+    try:
+        return checked_grammar(grammar)
+    except ValueError as e:
+        raise APIError(400, f"{field}: cannot be enforced: {e}", param=_param(field)) from None
 
 
 def choice_grammar(choices: list[str], field: str) -> str:
@@ -59,7 +57,7 @@ def lark_grammar(text: str, field: str) -> str:
     try:
         grammar = llg.grammar_from("grammar", text)
     except ValueError as e:
-        raise APIError(400, f"{field}: {e}", param=field.split(".")[0]) from None
+        raise APIError(400, f"{field}: {e}", param=_param(field)) from None
     return checked(grammar, field)
 
 

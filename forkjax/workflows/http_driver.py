@@ -73,6 +73,8 @@ def request_body(loop: ClosedLoop, call: Call, fanout: bool) -> dict:
     extra.update({k: v for k, v in loop.fields(call).items() if v is not None and v is not False})
     if fanout:  # [] for none: an absent list means the server's default (every adapter)
         extra["fanout_adapters"] = list(req.fanout_adapters)
+    if req.guided_json is not None:
+        extra["guided_json"] = req.guided_json
     return dict(model=req.adapter, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0,
                 extra_body=extra)
 
