@@ -36,7 +36,7 @@ from forkjax.runtime.compiler import COMPILER
 from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, id_list_widths,
-                                         processing_arrays)
+                                         padded_masks, processing_arrays)
 from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
 from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
 from forkjax.sampling_params import MAX_LOGPROBS
@@ -222,7 +222,7 @@ class ModelRunner:
             batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
         processed = any(r.params.processed for r in whole)  # such rows come whole
         k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0
-        masks = None if batch.token_masks is None else _padded_rows(batch.token_masks, b)
+        masks = None if batch.token_masks is None else padded_masks(batch.token_masks, b)
         logprobs = None
         if processed or k or masks is not None:  # only steps holding such a request pay for it
             process = processing_arrays(batch.rows, b) if processed else None
@@ -303,10 +303,3 @@ class ModelRunner:
                         else 1 << (n - 1).bit_length())
         self.pools = copy_pages_program(self.tp)(self.pools, *kv_pools.copy_index_arrays(base_pairs, size),
                                                  *kv_pools.copy_index_arrays(res_pairs, size))
-
-
-def _padded_rows(masks: np.ndarray, b: int) -> np.ndarray:
-    """masks [n, W] -> [b, W]: the padding rows allow every token."""
-    out = np.full((b, masks.shape[1]), -1, np.int32)
-    out[:len(masks)] = masks
-    return out

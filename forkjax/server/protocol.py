@@ -15,9 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forkjax.sampling_params import MAX_LOGPROBS
-from forkjax.server.protocol_tools import (MAX_TOOLS, ChatTool, DeltaToolCall, MessageToolCall,
-                                           NamedToolChoice, ResponseFormat, StructuredOutputs,
-                                           ToolCall)
+from forkjax.server.protocol_tools import (MAX_TOOLS, ChatDelta, ChatTool, MessageToolCall,
+                                           NamedToolChoice, OutputConstraints, ToolCall)
 from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                        MAX_STOP, MAX_STOP_CHARS, FieldError, OpenAIRequest,
                                        StrictBody)
@@ -57,7 +56,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(OpenAIRequest):
+class _Sampling(OpenAIRequest, OutputConstraints):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
@@ -101,14 +100,6 @@ class _Sampling(OpenAIRequest):
         description="requests share cached KV pages (base and residual) only with requests of the "
                     "same salt; under forkkv agents of one salt read each other's base cache, so "
                     "use one salt per trust domain")
-    response_format: ResponseFormat | None = None
-    guided_json: dict | str | None = Field(None, description="vLLM: the output is JSON that validates "
-                                                             "against this schema")
-    guided_regex: str | None = Field(None, description="vLLM: the output matches this regex")
-    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM: the output is one of these")
-    guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark or GBNF grammar")
-    structured_outputs: StructuredOutputs | None = Field(
-        None, description="vLLM: one of json, regex, choice, grammar, json_object")
     fanout_adapters: list[str] | None = Field(
         None, max_length=MAX_FANOUT,
         description="forkjax (forkkv policy): adapters whose residual KV this request also writes, so "
@@ -296,12 +287,6 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
     tool_calls: list[ToolCall] | None = _omitted_if_none()
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = _omitted_if_none()
-    content: str | None = _omitted_if_none()
-    tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
 class ChatChoice(BaseModel):

@@ -1,6 +1,6 @@
 """The bodies of structured outputs and tool calls in the OpenAI API (protocol.py has the rest):
-`response_format`, vLLM's `structured_outputs`, `tools` and `tool_choice` in requests,
-`tool_calls` in responses and stream deltas.
+`response_format`, vLLM's `guided_*` and `structured_outputs`, `tools` and `tool_choice` in
+requests, `tool_calls` in responses and stream deltas.
 """
 
 from __future__ import annotations
@@ -97,3 +97,23 @@ class MessageToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class OutputConstraints(BaseModel):
+    """The output constraint fields of both generation endpoints (at most one a request:
+    structured.py)."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = Field(None, description="vLLM: the output is JSON that validates "
+                                                             "against this schema")
+    guided_regex: str | None = Field(None, description="vLLM: the output matches this regex")
+    guided_choice: list[str] | None = Field(None, min_length=1, description="vLLM: the output is one of these")
+    guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark or GBNF grammar")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM: one of json, regex, choice, grammar, json_object")
+
+
+class ChatDelta(BaseModel):
+    """A chat stream chunk's delta."""
+    role: Literal["assistant"] | None = Field(None, exclude_if=lambda v: v is None)
+    content: str | None = Field(None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: v is None)
