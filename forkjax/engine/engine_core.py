@@ -25,7 +25,7 @@ from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
-from forkjax.engine.guided import Guide, ll_tokenizer, mask_width
+from forkjax.engine.guided import Guide, ll_tokenizer
 from forkjax.engine.requests import (InvalidArgument, check_salt, check_session, fanout_targets,
                                      prompt_ids)
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
@@ -37,6 +37,7 @@ from forkjax.lora.slots import AdapterSlots, slot_rank
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.host_blocks import pin_host_tier
 from forkjax.runtime.model_runner import Launched, ModelRunner
+from forkjax.runtime.sampler import bitmask_width
 
 
 class EngineCore:
@@ -224,7 +225,7 @@ class EngineCore:
         done = self._finish_inflight() if sync else []
         if guided:
             t = time.perf_counter()
-            batch.token_masks = self.scheduler.token_masks(batch, mask_width(self.model_cfg.vocab_size))
+            batch.token_masks = self.scheduler.token_masks(batch, bitmask_width(self.model_cfg.vocab_size))
             self.metrics.guided_mask_s += time.perf_counter() - t
         launched = self.runner.launch(batch, all_logits, any(s.return_hidden for s in batch.seqs))
         self.metrics.time("inputs_s", self.runner.last_inputs_s)

@@ -51,11 +51,6 @@ def ll_tokenizer(tokenizer, vocab_size: int) -> llg.LLTokenizer:
     return _TOKENIZERS[tokenizer]
 
 
-def mask_width(vocab_size: int) -> int:
-    """int32 words of one row's bitmask."""
-    return (vocab_size + 31) // 32
-
-
 class Guide:
     """One request's matcher. Raises ValueError (naming what failed) if the grammar does not
     compile."""
@@ -63,10 +58,7 @@ class Guide:
     __slots__ = ("matcher",)
 
     def __init__(self, grammar: str, tokenizer: llg.LLTokenizer):
-        error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if error:
-            raise ValueError(messages[0])
-        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)  # errors: its error state
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
 

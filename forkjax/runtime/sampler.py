@@ -97,6 +97,11 @@ def process_logits(logits, p: ProcessArrays, prev_tokens):
     return z - p.presence[:, None] * (output > 0) - p.frequency[:, None] * output
 
 
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one row's allowed-token bitmask."""
+    return (vocab_size + 31) // 32
+
+
 def apply_token_bitmask(logits, masks):
     """logits [B, V] float32, masks [B, W] int32 (bit j of word w allows token 32 w + j; tokens
     past 32 W are refused) -> logits with the refused tokens at -inf. A row that would keep no

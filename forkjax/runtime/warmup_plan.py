@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.input_batch import id_list_widths, processing_arrays, sampling_arrays
+from forkjax.runtime.sampler import bitmask_width
 
 
 def step_shapes(buckets: Buckets, width: int, fanout_width: int) -> tuple[list, list]:
@@ -52,7 +53,7 @@ def sampling_programs(buckets: Buckets, vocab_size: int, prev_tokens: jax.Array,
         rows = jax.ShapeDtypeStruct((b, vocab_size), jnp.float32, sharding=prev_tokens.sharding)
         sampling, process = sampling_arrays([], b), processing_arrays([], b)
         lists = id_list_widths(process)
-        masks = jax.ShapeDtypeStruct((b, (vocab_size + 31) // 32), jnp.int32, sharding=prev_tokens.sharding)
+        masks = jax.ShapeDtypeStruct((b, bitmask_width(vocab_size)), jnp.int32, sharding=prev_tokens.sharding)
         out += [(("sample", b), (rows, sampling)),
                 (("process", b, None, False, k), (rows, sampling, None, prev, None)),
                 (("process", b, lists, False, 0), (rows, sampling, process, prev, None)),
