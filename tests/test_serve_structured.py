@@ -119,6 +119,10 @@ def test_json_object_and_completions_json_schema(server):
                                                "structured_outputs": {"json": schema}})
         c = r.json()["choices"][0]
         assert _valid(c["text"], c["finish_reason"], schema)
+        # cut by max_tokens: "length", the JSON's beginning
+        r = http.post("/v1/completions", json={"prompt": "A number:", "max_tokens": 3, "guided_json": schema})
+        c = r.json()["choices"][0]
+        assert c["finish_reason"] == "length" and c["text"] == '{"n'[:len(c["text"])] and len(c["text"]) == 3
 
 
 def test_guided_choice_regex_and_grammar(server):

@@ -146,7 +146,8 @@ class OpenAIServing:
                 gone = [n for n in fanout if n not in self.client.adapters]
                 raise _unknown_fanout((gone or fanout)[0]) from None
             if e.kind == "invalid":  # the engine's argument names are the body's, but for the prompt
-                param = e.param if e.param not in (None, "prompt") else (
+                param = e.param if e.param not in (None, "prompt", "guided") else (
+                    "response_format" if e.param == "guided" else
                     "prompt" if isinstance(req, CompletionRequest) else "messages")
                 raise APIError(400, str(e), param=param) from None
             raise
@@ -202,13 +203,13 @@ class OpenAIServing:
         adapter = self.adapter_for(req.model)
         prompts = self.completion_prompts(req.prompt, req.n)
         budgets = [self.max_tokens(req.max_tokens or 1, len(p), "prompt") for p in prompts]
+        guided = request_grammar(req)  # refused before any work
         scores = None
         if req.scores_prompt is not None:
             try:  # scored chunk by chunk in the core: a client that leaves meanwhile stops it
                 scores = await until_disconnected(raw, self.score_prompts(req, adapter, prompts))
             except ClientLeft:
                 return client_left()
-        guided = request_grammar(req)
         gen = (await self.start(req, adapter, prompts, budgets, guided) if req.max_tokens != 0
                else PromptOnly(len(prompts) * req.n))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
