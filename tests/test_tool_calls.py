@@ -1,7 +1,7 @@
 """Tool-call parsing and rendering, and the token bitmask, without a server: the Hermes parser
 gives the same calls whether the text comes whole or a character at a time; the default
 template renders tools and earlier calls; the device mask refuses exactly what llguidance's own
-numpy reference refuses."""
+numpy reference refuses; scripts/bench_structured.py runs in an engine on tiny-llama."""
 
 from __future__ import annotations
 
@@ -71,3 +71,20 @@ def test_bitmask_refuses_what_llguidance_refuses():
     expected[2] = logits[2]
     np.testing.assert_array_equal(np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(masks))),
                                   expected)
+
+
+def test_bench_structured_smoke(tmp_path):
+    """scripts/bench_structured.py on tiny-llama: both step times, the masks' host time, and
+    every bounded-schema output that stopped validates."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_structured.py")
+    spec = importlib.util.spec_from_file_location("bench_structured", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    r = bench.main(["--model", "tiny-llama", "--batches", "4", "--context", "64", "--steps", "4",
+                    "--validity", "8", "--dtype", "float32", "--out", str(out)])
+    assert json.loads(out.read_text())["batches"]["4"]["ratio"] == r["batches"][4]["ratio"] > 0
+    assert r["batches"][4]["mask_s_per_step"] > 0
+    assert r["validity"]["stop_fraction"] >= 0.75 and r["validity"]["valid_fraction_of_stopped"] == 1.0

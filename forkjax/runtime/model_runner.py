@@ -226,8 +226,10 @@ class ModelRunner:
         logprobs = None
         if processed or k or masks is not None:  # only steps holding such a request pay for it
             process = processing_arrays(batch.rows, b) if processed else None
+            # a greedy batch under masks skips the sort of sampling (other programs always sample)
+            sampled = masks is None or bool(np.any(sampling.temperature > 0))
             shape = ("process", b, None if process is None else id_list_widths(process),
-                     masks is not None, k)
+                     masks is not None, sampled, k)
             tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens, masks)
         elif np.any(sampling.temperature > 0):
             tokens = self._sample(("sample", b), rows, sampling)

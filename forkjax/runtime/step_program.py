@@ -141,24 +141,25 @@ def sample_padded(rows, sampling: SamplingArrays, size: int):
     return _pad_to(sample(rows, sampling), size)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6))
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
 def process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | None, prev_tokens,
-                        masks, size: int, k: int):
+                        masks, size: int, sampled: bool, k: int):
     """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples), masks
     [B, ceil(vocab / 32)] int32 allowed-token bitmasks or None ->
     ([size] int32 tokens sampled from the processed logits (`process` None: as they are) under
     the masks, (logprobs [B], top ids [B, k], top logprobs [B, k]) of the model's logits, or
-    None: k = 0)."""
+    None: k = 0). `sampled` False: every row is greedy, and the argmax replaces `sample`'s sort
+    over the vocabulary (the costly part of this program)."""
     z = rows if process is None else process_logits(rows, process, prev_tokens)
     z = z if masks is None else apply_token_bitmask(z, masks)
-    tokens = sample(z, sampling)
+    tokens = sample(z, sampling) if sampled else greedy(z)
     return _pad_to(tokens, size), top_logprobs(rows, tokens, k) if k else None
 
 
 def lower_sampling(shape: tuple, args: tuple, size: int):
     """The Lowered sampling program of `shape` ("sample", B): sample_padded, or ("process", B,
-    id list widths or None, masked, k): process_and_sample, over `args` (arrays, or their
-    shapes: jax.ShapeDtypeStruct) padded to `size` tokens."""
+    id list widths or None, masked, sampled, k): process_and_sample, over `args` (arrays, or
+    their shapes: jax.ShapeDtypeStruct) padded to `size` tokens."""
     if shape[0] == "sample":
         return sample_padded.trace(*args, size).lower()
-    return process_and_sample.trace(*args, size, shape[-1]).lower()
+    return process_and_sample.trace(*args, size, *shape[-2:]).lower()
