@@ -152,6 +152,9 @@ def test_guided_choice_regex_and_grammar(server):
     ({"guided_choice": ["a"], "guided_regex": "a"}, "response_format", "at most one"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"guided_choice": ["a", "b"], "min_tokens": 2}, "min_tokens", "min_tokens"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern",
+     "guided_whitespace_pattern"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
     ({"tools": [CALC], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
 ])
 def test_what_cannot_be_enforced_is_a_400(server, body, param, named):
@@ -220,3 +223,15 @@ def test_unconstrained_outputs_unchanged_beside_constrained_ones(server):
         for f in guided:
             f.result()
     assert beside == alone
+
+
+def test_continue_final_message_continues_the_assistant_text(server):
+    """The chat prompt ends inside the last message: the same tokens as a completion of that
+    text (the default template, greedy f32)."""
+    with server.http() as http:
+        c = _chat(http, messages=[{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}],
+                  add_generation_prompt=False, continue_final_message=True, temperature=0, max_tokens=6)
+        r = http.post("/v1/completions", json={"prompt": "<|user|>\nCount\n<|assistant|>\n1, 2,",
+                                               "max_tokens": 6, "temperature": 0})
+    assert c["choices"][0]["message"]["content"] == r.json()["choices"][0]["text"]
+    assert c["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]

@@ -88,3 +88,8 @@ def test_bench_structured_smoke(tmp_path):
     assert json.loads(out.read_text())["batches"]["4"]["ratio"] == r["batches"][4]["ratio"] > 0
     assert r["batches"][4]["mask_s_per_step"] > 0
     assert r["validity"]["stop_fraction"] >= 0.75 and r["validity"]["valid_fraction_of_stopped"] == 1.0
+
+
+def test_default_template_continues_the_final_message():
+    msgs = [ChatMessage(role="user", content="Count"), ChatMessage(role="assistant", content="1, 2,")]
+    assert render_default(msgs, False, continue_final=True) == "<|user|>\nCount\n<|assistant|>\n1, 2,"

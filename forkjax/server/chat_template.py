@@ -73,15 +73,19 @@ def template_messages(messages: list[ChatMessage], tools: list[dict] | None, slo
 
 
 def render_default(messages: list[ChatMessage], add_generation_prompt: bool,
-                   tools: list[dict] | None = None) -> str:
+                   tools: list[dict] | None = None, continue_final: bool = False) -> str:
+    """`continue_final`: the text ends where the last message's content does."""
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in template_messages(messages, tools, False))
+    if continue_final:
+        return text[:-1]
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, continue_final: bool = False) -> list[int]:
     """Raises ValueError when the model has no tokenizer or its template rejects the messages.
-    `tools`: the request's tools as OpenAI sends them."""
+    `tools`: the request's tools as OpenAI sends them; `continue_final`: the prompt ends inside
+    the last message (vLLM's continue_final_message)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: use /v1/completions with token ids")
     hf = getattr(tokenizer, "tok", None)
@@ -90,8 +94,9 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
         slot = isinstance(template, str) and "tools" in template
         try:
             text = hf.apply_chat_template(template_messages(messages, tools, slot), tools=tools if slot else None,
-                                          tokenize=False, add_generation_prompt=add_generation_prompt)
+                                          tokenize=False, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final)
         except Exception as e:  # a template may raise on message orders it does not accept
             raise ValueError(f"the model's chat template rejected the messages: {e}") from None
         return tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
-    return tokenizer.encode(render_default(messages, add_generation_prompt, tools))
+    return tokenizer.encode(render_default(messages, add_generation_prompt, tools, continue_final))

@@ -2,7 +2,8 @@
 
 Requests validate as validation.py says (strict types, bounded sizes, unimplemented fields only
 at their neutral value). vLLM's extensions (top_k, ignore_eos, stop_token_ids,
-return_token_ids, add_generation_prompt, load_inplace, cache_salt) keep vLLM's names;
+return_token_ids, add_generation_prompt, continue_final_message, load_inplace, cache_salt, the
+guided_* family, structured_outputs) keep vLLM's names;
 forkjax's own (session_id, fanout_adapters) steer its KV cache.
 """
 
@@ -184,6 +185,8 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; see max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="vLLM: the prompt ends inside the last "
+                                                            "(assistant) message, which the output continues")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -198,6 +201,9 @@ class ChatCompletionRequest(_Sampling):
                 t.function.name for t in self.tools}:
             raise FieldError("tool_choice", f"tool_choice: no tool is named "
                                             f"{self.tool_choice.function.name!r}")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt: "
+                                                       "false and an assistant message last")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self

@@ -110,6 +110,8 @@ class OutputConstraints(BaseModel):
     guided_grammar: str | None = Field(None, description="vLLM: the output follows this Lark or GBNF grammar")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="vLLM: one of json, regex, choice, grammar, json_object")
+    guided_whitespace_pattern: str | None = Field(
+        None, description="vLLM: refused here: JSON is generated without free whitespace")
 
 
 class ChatDelta(BaseModel):

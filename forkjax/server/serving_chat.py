@@ -32,7 +32,8 @@ class OpenAIServingChat(OpenAIServing):
         adapter = self.adapter_for(req.model)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
         try:
-            prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt, tools)
+            prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt, tools,
+                                     req.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         guided = request_grammar(req, tool_grammar(req))

@@ -64,6 +64,9 @@ def lark_grammar(text: str, field: str) -> str:
 def request_grammar(req, tool_grammar: str | None = None) -> str | None:
     """The grammar of `req`'s constraint (None: unconstrained); `tool_grammar`: a chat request's
     tool_choice constraint, already built."""
+    if req.guided_whitespace_pattern is not None:
+        raise APIError(400, "guided_whitespace_pattern is not supported: JSON is generated without free "
+                            "whitespace", param="guided_whitespace_pattern")
     found = []
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
