@@ -7,6 +7,7 @@ llguidance); an output cut by max_tokens ends "length".
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -203,26 +204,47 @@ def test_required_tool_choice_and_the_next_turn(server):
 
 
 def test_unconstrained_outputs_unchanged_beside_constrained_ones(server):
-    """f32 greedy: requests run alone and beside constrained ones give the same tokens."""
+    """f32 greedy: requests run alone and beside running constrained ones give the same tokens.
+    The constrained requests stream, and the unconstrained ones are sent once each constrained
+    one has its first token: their strings of 100+ characters keep them running meanwhile."""
     prompts = [f"Story {i}:" for i in range(4)]
+    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100, "maxLength": 110}},
+                 "required": ["text"], "additionalProperties": False}
+    started = [threading.Event() for _ in range(4)]
 
     def plain(http, p):
         r = http.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0})
         return r.json()["choices"][0]["text"]
 
-    def constrained(http, i):
-        return _chat(http, messages=[{"role": "user", "content": f"q{i}"}], seed=i,
-                     response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": random_schema(
-                         np.random.default_rng(i))}})
+    def constrained(i):
+        body = {"messages": [{"role": "user", "content": f"q{i}"}], "seed": i, "stream": True,
+                "max_tokens": MAX_TOKENS, "temperature": 1.0, "guided_json": long_text}
+        with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if '"content":"' in line and '"content":""' not in line:
+                    started[i].set()
+        started[i].set()  # (if it failed: the assertions below say so)
+        content, _, reason = "", None, None
+        for e in sse_events(lines):
+            for c in e["choices"]:
+                content += c["delta"].get("content") or ""
+                reason = c["finish_reason"] or reason
+        return content, reason
 
     with server.http() as http:
         alone = [plain(http, p) for p in prompts]
+    synced = server.metrics()["forkjax:guided_sync_steps_total"]
     with ThreadPoolExecutor(8) as pool, server.http() as http:
-        guided = [pool.submit(constrained, http, i) for i in range(4)]
+        guided = [pool.submit(constrained, i) for i in range(4)]
+        assert all(e.wait(120) for e in started)
         beside = list(pool.map(lambda p: plain(http, p), prompts))
         for f in guided:
-            f.result()
+            text, reason = f.result()
+            assert reason == "stop" and len(json.loads(text)["text"]) >= 100  # 100+ tokens: beside them
     assert beside == alone
+    assert server.metrics()["forkjax:guided_sync_steps_total"] >= synced + 50  # /metrics counts them
 
 
 def test_continue_final_message_continues_the_assistant_text(server):
