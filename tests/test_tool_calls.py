@@ -93,3 +93,28 @@ def test_bench_structured_smoke(tmp_path):
 def test_default_template_continues_the_final_message():
     msgs = [ChatMessage(role="user", content="Count"), ChatMessage(role="assistant", content="1, 2,")]
     assert render_default(msgs, False, continue_final=True) == "<|user|>\nCount\n<|assistant|>\n1, 2,"
+
+
+def test_a_template_with_a_tools_slot_renders_them_and_earlier_calls(tmp_path):
+    """A template that reads `tools` gets them, and an earlier call's arguments as an object."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from forkjax.server.chat_template import chat_prompt_ids
+    from forkjax.tokenizer import load_tokenizer
+    words = ["<s>", "</s>", "<unk>", "now", "calc", "user", "assistant", "tool", "1", "2", "3"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = ("{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+                        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                        "{% for c in m.get('tool_calls', []) %}{{ c['function']['name'] }} "
+                        "{{ c['function']['arguments']['x'] }} {% endfor %}{% endfor %}")
+    hf.save_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "now"}}, {"type": "function", "function": {"name": "calc"}}]
+    msgs = [ChatMessage(role="user", content="1"),
+            ChatMessage(role="assistant", content=None, tool_calls=[
+                {"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"x": 2}'}}]),
+            ChatMessage(role="tool", content="3", tool_call_id="c")]
+    ids = chat_prompt_ids(load_tokenizer(str(tmp_path)), msgs, False, tools)
+    assert [words[i] for i in ids] == ["now", "calc", "user", "1", "assistant", "calc", "2", "tool", "3"]
