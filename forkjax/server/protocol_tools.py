@@ -46,6 +46,8 @@ class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # enforced where the output is constrained to calls (tool_choice required or this function);
+    # with auto the model may not call at all, so its arguments are parsed as written (vLLM's)
     strict: bool | None = None
 
 
