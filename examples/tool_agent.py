@@ -7,7 +7,8 @@ the server constrains the output to the tools' calls (llguidance) and returns th
 
     python examples/tool_agent.py                     # starts the server on smollm2-135m itself
     python examples/tool_agent.py --base-url http://127.0.0.1:8000/v1   # one already running
-    python examples/tool_agent.py --model tiny-llama  # random weights: well-formed calls of noise
+    python examples/tool_agent.py --model tiny-llama --max-tokens 300   # random weights:
+                                                      #   well-formed calls of noise
 
 smollm2-135m is small: its calls are well-formed (the constraint sees to it), their arguments
 often not the right ones.
@@ -27,7 +28,7 @@ from forkjax.workflows.local_server import ServerProcess
 
 AGES = {"Ana Silva": 34, "Ben Novak": 52, "Chen Wei": 47}
 QUESTION = "What is the sum of the ages of Ana Silva and Ben Novak?"
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--warmup", "none"]
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--warmup", "none"]
 
 
 def _function(name: str, description: str, properties: dict) -> dict:
