@@ -194,8 +194,10 @@ def test_required_tool_choice_and_the_next_turn(server):
         assert c["finish_reason"] == "tool_calls", c
         (call,) = c["message"]["tool_calls"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
-        content, deltas, reason = _stream_chat(http, **body)
-        assert reason == "tool_calls" and len(deltas) == 1
+        content, deltas, reason = _stream_chat(http, **body)  # the same seed: the same call
+        assert reason == "tool_calls" and {d["index"] for d in deltas} == {0}
+        assert deltas[0]["function"]["name"] == call["function"]["name"]
+        assert "".join(d["function"].get("arguments", "") for d in deltas) == call["function"]["arguments"]
         # the call and its result go back in the next turn; tool_choice none: plain text
         turn = body["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call]},
                                    {"role": "tool", "tool_call_id": call["id"], "content": "12 C"}]

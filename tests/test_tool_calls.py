@@ -44,8 +44,29 @@ def test_text_that_is_no_call_stays_content():
     for text in ("a < b <tool", "x <tool_call>not json</tool_call> y", "<tool_call>{\"name\": 3}"):
         content, deltas = _run(ToolCallParser("auto"), list(text))
         assert content == text and not deltas
-    content, deltas = _run(ToolCallParser("required"), ['[{"name": "now", "para'])  # cut short
-    assert content == '[{"name": "now", "para' and not deltas
+
+
+
+REQUIRED = ('[{"name":"calc","parameters":{"expr":"{[\\"}]","n":[1,{"a":2}]}},'
+            '{"name":"n\\u00e9w","parameters":{}}]')
+
+
+@pytest.mark.parametrize("step", [len(REQUIRED), 1, 5])
+def test_required_calls_stream_their_arguments(step):
+    """`required`'s array: a call's name once complete, then its parameters as they come
+    (braces and escaped quotes inside strings do not end them)."""
+    parser = ToolCallParser("required")
+    content, deltas = _run(parser, [REQUIRED[i:i + step] for i in range(0, len(REQUIRED), step)])
+    expected = json.loads(REQUIRED)
+    assert content == "" and [c.function.name for c in parser.calls] == [e["name"] for e in expected]
+    assert [json.loads(c.function.arguments) for c in parser.calls] == [e["parameters"] for e in expected]
+    for i, call in enumerate(parser.calls):  # the deltas reassemble to the calls
+        mine = [d for d in deltas if d.index == i]
+        assert mine[0].id == call.id and mine[0].function.name == call.function.name
+        assert "".join(d.function.arguments for d in mine) == call.function.arguments
+    cut = ToolCallParser("required")  # cut by max_tokens: the call so far
+    _run(cut, [REQUIRED[:40]])
+    assert [(c.function.name, c.function.arguments) for c in cut.calls] == [("calc", '{"expr":"{[')]
 
 
 def test_default_template_renders_tools_and_earlier_calls():

@@ -10,14 +10,16 @@ the generated text, whole or as stream deltas.
   a function   that function's parameters schema          the whole output is its arguments
 
 `ToolCallParser` reads the text as it streams: content passes through until a call starts; a
-named function's arguments stream as they come; a Hermes or `required` call is sent whole once
-its JSON is complete. A non-streaming response runs the same parser over its whole text, so
-both agree. Text that does not parse as the format's calls stays content.
+named function's or a `required` call's arguments stream as they come (the latter's once its
+name is complete); a Hermes call is sent whole once its JSON is complete. A non-streaming
+response runs the same parser over its whole text, so both agree (a call cut by max_tokens
+keeps the arguments it got). Hermes text that does not parse as a call stays content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from forkjax.server.protocol_tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
@@ -25,6 +27,9 @@ from forkjax.server.protocol_tools import (DeltaFunctionCall, DeltaToolCall, Fun
 from forkjax.server.structured import json_grammar
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# A call of `required`'s array up to its parameters: the previous call's closing brace, if any,
+# `[` or `,`, then its name
+REQUIRED_HEAD = re.compile(r'\}?[\[,]\{"name":"((?:[^"\\]|\\.)*)","parameters":')
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -75,7 +80,9 @@ class ToolCallParser:
     def __init__(self, mode: str, name: str | None = None, parallel: bool = True):
         self.mode, self.name, self.parallel = mode, name, parallel
         self.buffer = ""
-        self.in_call = False
+        self.in_call = False  # inside a call: Hermes' <tool_call>, or `required`'s parameters
+        # `required`: the parameters' nesting depth, inside a JSON string, after a backslash in one
+        self.depth, self.in_string, self.escaped = 0, False, False
         self.calls: list[ToolCall] = []  # every call sent so far, whole
 
     @property
@@ -94,27 +101,37 @@ class ToolCallParser:
         """New text (`final`: the last) -> (content to send, tool-call deltas to send)."""
         if self.mode == "named":
             if not self.calls:
-                deltas = self._send(self.name, text)
-            else:
-                self.calls[0].function.arguments += text
-                deltas = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
-            return "", deltas
+                return "", self._send(self.name, text)
+            return "", self._arguments(text)
         self.buffer += text
         if self.mode == "required":
-            return self._required() if final else ("", [])
+            return "", self._required()
         return self._hermes(final)
 
-    def _required(self) -> tuple[str, list[DeltaToolCall]]:
-        text, self.buffer = self.buffer, ""
-        try:
-            entries = json.loads(text)
-        except ValueError:
-            return text, []  # cut short (max_tokens): the text as it is
-        calls = [_call(e.get("name"), e.get("parameters")) if isinstance(e, dict) else None
-                 for e in (entries if isinstance(entries, list) else [None])]
-        if not calls or None in calls:
-            return text, []
-        return "", [d for name, args in calls for d in self._send(name, args)]
+    def _arguments(self, text: str) -> list[DeltaToolCall]:
+        """More of the last call's arguments."""
+        if not text:
+            return []
+        self.calls[-1].function.arguments += text
+        return [DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=text))]
+
+    def _required(self) -> list[DeltaToolCall]:
+        """The constrained array `[{"name":"...","parameters":{...}},...]`, compact and in this
+        key order (the grammar's): each call is sent once its name is complete, its parameters as
+        they come."""
+        deltas = []
+        while True:
+            if not self.in_call:  # between calls: wait for the next one's name
+                m = REQUIRED_HEAD.match(self.buffer)
+                if m is None or (self.calls and not self.parallel):
+                    return deltas
+                deltas += self._send(json.loads(f'"{m[1]}"'), "")
+                self.buffer, self.in_call = self.buffer[m.end():], True
+            n = _object_end(self)  # how much of the buffer the parameters take
+            deltas += self._arguments(self.buffer[:n])
+            self.buffer = self.buffer[n:]
+            if self.in_call:  # the parameters go on in text still to come
+                return deltas
 
     def _hermes(self, final: bool) -> tuple[str, list[DeltaToolCall]]:
         content, deltas = "", []
@@ -145,6 +162,25 @@ class ToolCallParser:
                 deltas += self._send(*call)
             if at < 0:
                 return content, deltas
+
+
+def _object_end(p: ToolCallParser) -> int:
+    """Characters of `p.buffer` that belong to the parameters object being read (all of them if
+    it does not close in it), advancing p's depth and string state over them; p.in_call ends
+    where the object closes."""
+    for i, ch in enumerate(p.buffer):
+        if p.in_string:
+            p.escaped, p.in_string = (False, True) if p.escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            p.in_string = True
+        elif ch in "{[":
+            p.depth += 1
+        elif ch in "}]":
+            p.depth -= 1
+            if p.depth == 0:
+                p.in_call = False
+                return i + 1
+    return len(p.buffer)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
