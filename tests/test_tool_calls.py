@@ -46,7 +46,6 @@ def test_text_that_is_no_call_stays_content():
         assert content == text and not deltas
 
 
-
 REQUIRED = ('[{"name":"calc","parameters":{"expr":"{[\\"}]","n":[1,{"a":2}]}},'
             '{"name":"n\\u00e9w","parameters":{}}]')
 
