@@ -33,6 +33,9 @@ class SamplingParams:
     # The model's own log-probabilities (before processing) of each generated token and of its
     # `logprobs` most likely alternatives; None: none returned.
     logprobs: int | None = None
+    # Constrained decoding: an llguidance grammar (serialized; server/structured.py builds it)
+    # that masks every sampled token after the processing above (engine/guided.py); None: off.
+    guided: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
@@ -61,6 +64,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias entry {entry!r}: expected (token id >= 0, a bias in [-100, 100])")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={self.logprobs!r}: expected an int in [0, {MAX_LOGPROBS}] or None")
+        if self.guided is not None and not isinstance(self.guided, str):
+            raise ValueError(f"guided={self.guided!r}: expected a grammar (str) or None")
 
     @functools.cached_property  # read for every request of every step
     def processed(self) -> bool:

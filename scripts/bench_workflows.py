@@ -31,6 +31,11 @@ per policy.
     PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --sweep 16,32 \\
         --total 3x --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 \\
         --gen 64 --obs 64 --out /tmp/replay
+    # ReAct actions as JSON tool calls under constrained decoding (a model with a tokenizer):
+    # the results' guided_sync_steps counts the steps that waited for a token in flight
+    PYTHONPATH=. python3 scripts/bench_workflows.py --model smollm2-135m --pattern react \\
+        --sweep 16,64 --policy forkkv --context 1024 --gen 64 --obs 64 --tool-format json \\
+        --out $OUT/react-json
     # CPU smoke run
     PYTHONPATH=. python scripts/bench_workflows.py --model tiny-llama --workflows 2 --context 64 \\
         --gen 4 --obs 4 --rounds 2 --no-warmup --out /tmp/wf
@@ -107,14 +112,16 @@ import time
 
 import jax
 
-from forkjax.config import ModelConfig
 from forkjax.engine import memory
+from forkjax.engine.loading import describe_model
 from forkjax.models.builtin import BUILTIN_CONFIGS
+from forkjax.models.gguf import PACKAGED
 from forkjax.sizes import size_flag
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows, workflow_source)
 from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
+from forkjax.workflows.react import TOOL_FORMATS
 from forkjax.workflows.report import summary_line, write_json, write_summary
 from forkjax.workflows.runners import InProcess, OverHttp
 from provenance import run_info  # scripts/ is on sys.path when this script runs
@@ -179,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices the model is split over (--kv-cache-bytes is per device; not "
                         "with --replay, whose step costs are one device's)")
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds a ReAct tool call takes")
+    p.add_argument("--tool-format", default="text", choices=TOOL_FORMATS,
+                   help="ReAct actions as free text (random tokens) or as JSON tool calls that constrained "
+                        "decoding enforces (needs a model with a tokenizer: tiny-llama, smollm2-135m, ...)")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="(64 on a GPU and with --replay; the engine's default, 16, on a CPU)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
@@ -222,6 +232,9 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
                          "not with --http")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
+    if args.tool_format != "text" and (args.pattern != "react" or args.replay):
+        raise ValueError(f"--tool-format {args.tool_format}: for --pattern react, in an engine "
+                         "(not with --replay)")
     if args.replay and args.tensor_parallel_size != 1:
         raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
     if args.http and args.compile_workers is not None:
@@ -230,9 +243,9 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
         raise ValueError("--distinct-agents: in process only, not with --http")
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
         raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
-    if args.model not in BUILTIN_CONFIGS and not os.path.isdir(args.model):
-        raise ValueError(f"--model {args.model!r}: not a built-in model ({', '.join(BUILTIN_CONFIGS)}) "
-                         "nor a checkpoint directory")
+    if args.model not in (*BUILTIN_CONFIGS, *PACKAGED) and not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model!r}: not a built-in model "
+                         f"({', '.join([*BUILTIN_CONFIGS, *PACKAGED])}) nor a checkpoint directory")
     given = [k for k in FIXED_DEFAULTS if getattr(args, k) is not None]
     if args.profile != "fixed" and given:
         raise ValueError(f"--{', --'.join(given)}: lengths of the fixed profile; --profile "
@@ -277,7 +290,7 @@ def total_of(total: str | None, n: int) -> int:
 def workflow_shape(args) -> dict:
     """The shape keywords of `make_workflows` and `workflow_source`."""
     return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers,
-                groups=args.groups)
+                groups=args.groups, **({"tool_format": args.tool_format} if args.pattern == "react" else {}))
 
 
 def all_agent_names(args) -> list[str]:
@@ -326,7 +339,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions", "workflows_suspended", *HOST_KEYS,
+                                         "preemptions", "workflows_suspended", "guided_sync_steps", *HOST_KEYS,
                                          *LORA_KEYS)}, **steps}
 
 
@@ -336,7 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     policies, counts, device = check_args(args)
     fixed = {k: getattr(args, k) for k in FIXED_DEFAULTS} if args.profile == "fixed" else {}
     profile = get_profile(args.profile, **fixed)
-    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS.get(args.model, args.model))
+    cfg = describe_model(args.model)[0]
     tokens = TokenSampler.for_model(cfg)
     names = all_agent_names(args)
     longest = longest_request(args.pattern, profile, agents=args.agents, rounds=args.rounds,

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KW = dict(dtype="float32", max_prefill_tokens=128, max_model_len=512, max_batch_size=4,
           kv_cache_bytes=24 << 20, progress=False)
 # warmup=True compiles every program before returning: here decode and one chunk, the chunk's
-# score step, four sampling programs of one row (warmup_plan.py; `prefix`: no fan-out programs),
+# score step, six sampling programs of one row (warmup_plan.py; `prefix`: no fan-out programs),
 # and the host tier's copies (a store and a load a block size).
 TINY = dict(KW, max_prefill_tokens=16, max_model_len=64, max_batch_size=1, host_kv_bytes=1 << 20,
             cache_policy="prefix")

@@ -11,7 +11,7 @@ output is checked against the script's stdout:
 
 TEXT must occur in stdout, within one line; `...` in it stands for any text.
 
-The example that talks to a server with the `openai` client, and every ```bash block that calls
+The examples that talk to a server with the `openai` client, and every ```bash block that calls
 `curl`, run against a real `python -m forkjax.serve`, started as the README's quick start starts
 it: `make serve`'s flags (from the Makefile) and the ARGS of the README's first `make serve` line
 (none), with two substitutions: `--port 0` (a free port) instead of the port the reader's server
@@ -137,7 +137,7 @@ CURL = [code for _, code in snippets("bash") if re.search(r"^curl ", code, re.M)
 
 def test_readme_has_examples():
     ids = [i for i, _ in SNIPPETS]
-    assert len(SNIPPETS) >= 3 and len(SERVING) == 1 and CURL, ids
+    assert len(SNIPPETS) >= 3 and SERVING and CURL, ids
     assert all(stated_outputs(code) for code in SERVING), "the serving example states no output"
     assert all(stated_outputs(code, shell=True) for code in CURL), "a curl example states no output"
 
@@ -190,9 +190,9 @@ def readme_server(tmp_path_factory):
             proc.wait()
 
 
-def test_serving_example(readme_server):
-    """The `openai` example against the quick start's server, at that server's real address."""
-    (code,) = SERVING
+@pytest.mark.parametrize("code", SERVING, ids=[i for i, c in SNIPPETS if c in SERVING])
+def test_serving_example(readme_server, code):
+    """An `openai` example against the quick start's server, at that server's real address."""
     _, port = server_args()
     readme_url = f"http://127.0.0.1:{port}/v1"
     assert readme_url in code, f"the serving example does not use the server at {readme_url}"

@@ -12,8 +12,7 @@ from serve_utils import AUTH, BASE, complete
 
 LONG = "x" * 2000  # > the 1024-token context
 POOL = [1] * 1000  # fits the context, not the 960-token KV pool
-TOOLS = [{"type": "function", "function": {"name": "lookup_weather_in_the_city",
-                                           "description": "what a tool list says " * 20}}]
+TOOLS = [{"type": "function", "function": {"name": "lookup weather", "description": "a name with a blank"}}]
 
 BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, param)
     "malformed_json": ("/v1/completions", b'{"prompt": "x",', None, 400, None),
@@ -54,11 +53,12 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "session_next_s_alone": ("/v1/completions", {"prompt": "x", "session_next_s": 0}, None, 400,
                              "session_next_s"),
     "best_of": ("/v1/completions", {"prompt": "x", "best_of": 2}, None, 400, "best_of"),
+    "suffix": ("/v1/completions", {"prompt": "x", "suffix": "what a suffix says " * 20}, None, 400, "suffix"),
     "tool_choice_required": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                       "tool_choice": "required"}, None, 400, "tool_choice"),
-    "response_format_json": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                      "response_format": {"type": "json_object"}}, None, 400,
-                             "response_format"),
+    "response_format_unenforceable": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, None, 400, "response_format"),
     "top_logprobs_alone": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                     "top_logprobs": 2}, None, 400, "top_logprobs"),
     "chat_messages_string": ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
@@ -67,8 +67,8 @@ BAD = {  # name: (path, body (dict -> JSON, bytes -> raw), headers, status, para
     "chat_image": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None, 400, "messages"),
     "chat_over_context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, None, 400, "messages"),
-    "chat_tools": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                            "tools": TOOLS}, None, 400, "tools"),
+    "chat_tool_bad_name": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "tools": TOOLS}, None, 400, "tools"),
     "load_wrong_type": ("/v1/load_lora_adapter", {"lora_name": 3, "lora_path": "/tmp"}, None, 400, "lora_name"),
     "load_base_name": ("/v1/load_lora_adapter", {"lora_name": BASE, "lora_path": "/tmp"}, None, 400, "lora_name"),
     "unload_unknown": ("/v1/unload_lora_adapter", {"lora_name": "nobody"}, None, 404, "lora_name"),
@@ -122,10 +122,10 @@ def test_bad_input_gets_an_openai_error(server, name):
 
 def test_refusals_name_the_field_without_quoting_its_value(server):
     with server.http() as http:
-        tools = send_bad(http, "chat_tools").json()["error"]
+        suffix = send_bad(http, "suffix").json()["error"]
         empty = send_bad(http, "empty_body").json()["error"]
-    assert tools["message"] == "tools: only [] or null is supported by this server"
-    assert "lookup_weather" not in tools["message"]
+    assert suffix["message"] == "suffix: only '' or null is supported by this server"
+    assert "what a suffix says" not in suffix["message"]
     assert empty["message"] == "the request body is empty: expected a JSON object with prompt"
 
 

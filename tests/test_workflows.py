@@ -299,6 +299,36 @@ def test_driver_runs_closed_loop_and_waits_out_tool_latencies(forkkv_engine):
     assert result.tasks_per_s == 2 / window and result.tokens_per_s == 36 / window
 
 
+def test_react_json_tool_calls_follow_their_schema(forkkv_engine):
+    """--tool-format json: each turn's action is constrained to TOOL_CALL_SCHEMA, so every turn's
+    output validates (checked with jsonschema), unless it was cut at its max_tokens."""
+    import jsonschema
+
+    from forkjax.workflows.react import TOOL_CALL_SCHEMA
+    workflows = make_workflows("react", 2, fixed_profile(32, 120, 2, 1), TOKENS, rounds=2, tool_format="json")
+    outputs = []
+    for w in workflows:
+        def complete(request, output, now, done=w.complete):
+            outputs.append((request, output))
+            done(request, output, now)
+        w.complete = complete
+    before = forkkv_engine.stats()["guided_sync_steps"]
+    result = run_in_process(forkkv_engine, workflows, progress=False)
+    assert all(w.done for w in workflows) and len(result.records) == len(outputs) == 12
+    valid = 0
+    for request, output in outputs:
+        assert request.guided_json == TOOL_CALL_SCHEMA
+        try:
+            call = json.loads(bytes(t for t in output if t < 256).decode())
+        except ValueError:
+            assert len(output) == request.max_tokens  # cut short
+            continue
+        jsonschema.validate(call, TOOL_CALL_SCHEMA)
+        valid += 1
+    assert valid >= 6
+    assert forkkv_engine.stats()["guided_sync_steps"] > before  # their steps waited for tokens in flight
+
+
 def test_driver_refills_slots_and_ends_sessions(forkkv_engine, monkeypatch):
     calls = _recording(forkkv_engine, monkeypatch)
     shape = dict(rounds=2, seed=1)
@@ -442,6 +472,8 @@ def test_bench_refuses_bad_flags(tmp_path):
                         (["--profile", "loogle", "--context", "100"], "--context"),
                         (["--sweep", "1,x"], "--sweep"),
                         (["--pattern", "mapreduce", "--tool-latency", "1"], "--tool-latency"),
+                        (["--pattern", "mapreduce", "--tool-format", "json"], "--tool-format"),
+                        (["--replay", "--tool-format", "json"], "--tool-format"),
                         (["--residual-fraction", "1.5"], "--residual-fraction"),
                         (["--sweep", "2,4", "--total", "3"], "--total"),
                         (["--total", "many"], "--total"),

@@ -25,6 +25,7 @@ from forkjax.cache import DualRadixCache, PoolLayout
 from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
+from forkjax.engine.guided import Guide, ll_tokenizer
 from forkjax.engine.requests import (InvalidArgument, check_salt, check_session, fanout_targets,
                                      prompt_ids)
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
@@ -36,6 +37,7 @@ from forkjax.lora.slots import AdapterSlots, slot_rank
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.host_blocks import pin_host_tier
 from forkjax.runtime.model_runner import Launched, ModelRunner
+from forkjax.runtime.sampler import bitmask_width
 
 
 class EngineCore:
@@ -168,11 +170,20 @@ class EngineCore:
         if not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(
                 set(params.stop_token_ids) | set(self.model_cfg.eos_token_ids)))
+        guide = None
+        if params.guided is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument("guided", "constrained decoding needs the model's tokenizer; "
+                                                "this model has none")
+            try:
+                guide = Guide(params.guided, ll_tokenizer(self.tokenizer, self.model_cfg.vocab_size))
+            except ValueError as e:
+                raise InvalidArgument("guided", f"the grammar does not compile: {e}") from None
         seq = Sequence(Request(
             tuple(ids), adapter, key, params, score=score, score_from=score_from,
             return_hidden=return_hidden, prefill_whole_prompt=self.config.deterministic,
             session_id=session_id, session_end=session_end, session_tokens=session_tokens,
-            session_next_s=session_next_s, fanout=tuple(fanout.items())))
+            session_next_s=session_next_s, fanout=tuple(fanout.items())), guide)
         self.scheduler.add(seq)
         return seq
 
@@ -204,8 +215,18 @@ class EngineCore:
         if batch is None:
             return self._finish_inflight()
         all_logits = any(s.score for s in batch.seqs)
-        sync = all_logits or not self.overlap
+        guided = [s for s in batch.seqs if s.guide is not None]
+        # A guided request's mask needs its previous token, which the step in flight may still
+        # hold: such steps wait for it (they give up overlap; stats()["guided_sync_steps"]).
+        waits = any(s.pending for s in guided)
+        sync = all_logits or waits or not self.overlap
+        if waits and not (all_logits or not self.overlap):
+            self.metrics.guided_sync_steps += 1
         done = self._finish_inflight() if sync else []
+        if guided:
+            t = time.perf_counter()
+            batch.token_masks = self.scheduler.token_masks(batch, bitmask_width(self.model_cfg.vocab_size))
+            self.metrics.guided_mask_s += time.perf_counter() - t
         launched = self.runner.launch(batch, all_logits, any(s.return_hidden for s in batch.seqs))
         self.metrics.time("inputs_s", self.runner.last_inputs_s)
         self.metrics.time("dispatch_s", self.runner.last_dispatch_s)

@@ -7,17 +7,31 @@ computed and a request that samples has one more token, PENDING until the output
 overlap scheduling the next step is scheduled before that). When they arrive, a request whose step
 computed a NaN or inf ends with an error and nothing of that step enters the trees; otherwise
 prefill chunks are shared, score requests keep their logits (and hidden states), and sampled
-tokens are appended, which may stop the request.
+tokens are appended, which may stop the request; a guided request's matcher consumes each, and
+its next mask is built from the matcher before a step that samples for it is launched.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from forkjax.engine.guided import GuidedDecodingError
 from forkjax.engine.sequence import NonFiniteError, Status
 from forkjax.runtime.batch import ScheduledBatch
 
 
 class SchedulerOutputProcessorMixin:
     """Methods of `Scheduler` (scheduler.py)."""
+
+    def token_masks(self, batch: ScheduledBatch, width: int) -> np.ndarray:
+        """[entries, width] int32 bitmasks of `batch`'s next tokens: a guided request's from
+        its matcher (whose tokens are all known: engine_core.py waits for them), all tokens
+        allowed in the other rows."""
+        masks = np.full((len(batch.seqs), width), -1, np.int32)
+        for i, seq in enumerate(batch.seqs):
+            if seq.guide is not None and seq.status is Status.RUNNING:
+                seq.guide.fill_mask(masks, i)
+        return masks
 
     def on_launched(self, batch: ScheduledBatch) -> None:
         """Advance the host state as if the launched step had finished: its positions are
@@ -67,6 +81,15 @@ class SchedulerOutputProcessorMixin:
             if p.logprobs is not None:
                 lp, ids, top = out.logprobs[i]
                 seq.output_logprobs.append((lp, ids[:p.logprobs], top[:p.logprobs]))
+            if seq.guide is not None:
+                try:
+                    seq.guide.advance(token)
+                except GuidedDecodingError as e:
+                    self.finish(seq, "error", e)
+                    continue
+                if seq.guide.done:  # the grammar is complete (its last token may be EOS)
+                    self.finish(seq, "stop")
+                    continue
             if token in p.stop_token_ids and len(seq.output) > p.min_tokens:
                 self.finish(seq, "stop")
             elif (len(seq.output) >= p.max_new_tokens

@@ -55,9 +55,9 @@ class Sequence:
     __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
                  "first_admitted", "cache", "fanout", "key_ns", "num_computed", "num_verified",
                  "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
-                 "params", "slot", "score", "session_id", "targets")
+                 "params", "slot", "score", "session_id", "targets", "guide")
 
-    def __init__(self, req: Request):
+    def __init__(self, req: Request, guide=None):
         self.id = next(_ids)
         self.req = req
         # the request's fields read for every request of every step, as plain attributes (the
@@ -85,6 +85,8 @@ class Sequence:
         self.prompt_hidden: list[np.ndarray] = []  # [L + 1, chunk, d] pieces
         # with params.logprobs: per output token (its logprob, top ids [k], their logprobs [k])
         self.output_logprobs: list[tuple[float, np.ndarray, np.ndarray]] = []
+        # with params.guided: its matcher (engine/guided.Guide), advanced on each output token
+        self.guide = guide
 
     def __getattr__(self, name):
         return getattr(self.req, name)  # the request's fields, read-only

@@ -64,3 +64,6 @@ class ScheduledBatch:
     # run before the step
     host_copies: tuple = ((), ())
     samples: list[int] = dataclasses.field(default_factory=list)  # entries that sample a token
+    # [entries, ceil(vocab / 32)] int32 allowed-token bitmasks when a request in it is guided
+    # (engine/guided.py; every bit set in other rows), applied when its tokens are sampled
+    token_masks: np.ndarray | None = None

@@ -166,6 +166,14 @@ def processing_arrays(rows: list[BatchRow], b: int) -> ProcessArrays:
                          _padded(biases, b, np.float32, 0), _padded(banned, b))
 
 
+def padded_masks(masks: np.ndarray, b: int) -> np.ndarray:
+    """Allowed-token bitmasks [n, W] int32 (ScheduledBatch.token_masks) -> [b, W]: the padding
+    rows allow every token."""
+    out = np.full((b, masks.shape[1]), -1, np.int32)
+    out[:len(masks)] = masks
+    return out
+
+
 def id_list_widths(p: ProcessArrays) -> tuple[int, int, int, int]:
     """The padded widths of `p`'s id lists (outputs, prompts, logit bias, stop tokens): with B,
     what its processing program's shapes depend on."""

@@ -36,7 +36,7 @@ from forkjax.runtime.compiler import COMPILER
 from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, id_list_widths,
-                                         processing_arrays)
+                                         padded_masks, processing_arrays)
 from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
 from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
 from forkjax.sampling_params import MAX_LOGPROBS
@@ -221,11 +221,15 @@ class ModelRunner:
             batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
         processed = any(r.params.processed for r in whole)  # such rows come whole
         k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0
+        masks = None if batch.token_masks is None else padded_masks(batch.token_masks, b)
         logprobs = None
-        if processed or k:  # only steps holding such a request pay for the program
+        if processed or k or masks is not None:  # only steps holding such a request pay for it
             process = processing_arrays(batch.rows, b) if processed else None
-            shape = ("process", b, None if process is None else id_list_widths(process), k)
-            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens)
+            # a greedy batch under masks skips the sort of sampling (other programs always sample)
+            sampled = masks is None or bool(np.any(sampling.temperature > 0))
+            shape = ("process", b, None if process is None else id_list_widths(process),
+                     masks is not None, sampled, k)
+            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens, masks)
         elif np.any(sampling.temperature > 0):
             tokens = self._sample(("sample", b), rows, sampling)
         self.prev_tokens = tokens

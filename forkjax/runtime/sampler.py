@@ -6,8 +6,9 @@ with a temperature > 0 (the host knows). A `lax.cond` on the temperatures inside
 XLA copy the predicate to the host and wait for the device in the middle of every step, so the
 next step could never be dispatched ahead (overlap scheduling).
 
-Requests with processed logits or logprobs run a third program instead (`process_and_sample`,
-step_program.py), only in steps that hold such a request, so every other step runs as before.
+Requests with processed logits, logprobs or a grammar's token mask (constrained decoding) run a
+third program instead (`process_and_sample`, step_program.py), only in steps that hold such a
+request, so every other step runs as before; the mask comes after the other processing.
 Its masks come after the step's finiteness check: a -inf it puts in a row is no fault of the
 model's.
 
@@ -94,6 +95,23 @@ def process_logits(logits, p: ProcessArrays, prev_tokens):
     r = p.repetition[:, None]
     z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
     return z - p.presence[:, None] * (output > 0) - p.frequency[:, None] * output
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one row's allowed-token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits, masks):
+    """logits [B, V] float32, masks [B, W] int32 (bit j of word w allows token 32 w + j; tokens
+    past 32 W are refused) -> logits with the refused tokens at -inf. A row that would keep no
+    finite logit keeps its logits (it still yields a token, which its matcher then refuses)."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v)
+    words = jnp.take(masks, jnp.minimum(ids // 32, masks.shape[1] - 1), axis=1)  # [B, V]
+    allowed = ((words >> (ids % 32)) & 1).astype(bool) & (ids < 32 * masks.shape[1])
+    masked = jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(jnp.isfinite(masked).any(-1, keepdims=True), masked, logits)
 
 
 def top_logprobs(logits, chosen, k: int):

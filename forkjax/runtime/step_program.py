@@ -15,7 +15,8 @@ from forkjax.models.transformer import ForwardBatch
 from forkjax.runtime.input_batch import InputLayout
 from forkjax.runtime.kv_pools import KV_SPECS, copy_pages
 from forkjax.runtime.paged_attention import PagedState, paged_attention
-from forkjax.runtime.sampler import ProcessArrays, SamplingArrays, greedy, process_logits, sample, top_logprobs
+from forkjax.runtime.sampler import (ProcessArrays, SamplingArrays, apply_token_bitmask, greedy,
+                                     process_logits, sample, top_logprobs)
 from forkjax.tensor_parallel import REPLICATED, shard
 
 
@@ -131,21 +132,25 @@ def sample_padded(rows, sampling: SamplingArrays, size: int):
     return _pad_to(sample(rows, sampling), size)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
 def process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | None, prev_tokens,
-                        size: int, k: int):
-    """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples) ->
-    ([size] int32 tokens sampled from the processed logits (`process` None: as they are),
-    (logprobs [B], top ids [B, k], top logprobs [B, k]) of the model's logits, or None: k = 0)."""
+                        masks, size: int, sampled: bool, k: int):
+    """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples), masks
+    [B, ceil(vocab / 32)] int32 allowed-token bitmasks or None ->
+    ([size] int32 tokens sampled from the processed logits (`process` None: as they are) under
+    the masks, (logprobs [B], top ids [B, k], top logprobs [B, k]) of the model's logits, or
+    None: k = 0). `sampled` False: every row is greedy, and the argmax replaces `sample`'s sort
+    over the vocabulary (the costly part of this program)."""
     z = rows if process is None else process_logits(rows, process, prev_tokens)
-    tokens = sample(z, sampling)
+    z = z if masks is None else apply_token_bitmask(z, masks)
+    tokens = sample(z, sampling) if sampled else greedy(z)
     return _pad_to(tokens, size), top_logprobs(rows, tokens, k) if k else None
 
 
 def lower_sampling(shape: tuple, args: tuple, size: int):
     """The Lowered sampling program of `shape` ("sample", B): sample_padded, or ("process", B,
-    id list widths or None, k): process_and_sample, over `args` (arrays, or their shapes:
-    jax.ShapeDtypeStruct) padded to `size` tokens."""
+    id list widths or None, masked, sampled, k): process_and_sample, over `args` (arrays, or
+    their shapes: jax.ShapeDtypeStruct) padded to `size` tokens."""
     if shape[0] == "sample":
         return sample_padded.trace(*args, size).lower()
-    return process_and_sample.trace(*args, size, shape[-1]).lower()
+    return process_and_sample.trace(*args, size, *shape[-2:]).lower()

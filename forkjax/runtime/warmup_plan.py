@@ -5,7 +5,9 @@
 2. The sampling programs of every sampled batch size B (buckets.Buckets.sample_sizes): sampling
    at a temperature (`sample_padded`), logprobs alone, and logits processing (penalties, logit
    bias, min_tokens) with and without logprobs (`process_and_sample`) over id lists of the
-   shortest padded width (input_batch.MIN_ID_LIST).
+   shortest padded width (input_batch.MIN_ID_LIST), and a grammar's token mask alone, greedy
+   and sampled (constrained decoding; with other processing or logprobs it compiles when first
+   needed).
 3. Fan-out steps, where requests can fan out but the plain steps carry no fan-out inputs
    (`forkkv` without residual_fanout): a batch runs them when one of its requests writes
    residuals for other adapters (a workflow's shared prefix written for its agents).
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 from forkjax.runtime.buckets import Buckets
 from forkjax.runtime.input_batch import id_list_widths, processing_arrays, sampling_arrays
+from forkjax.runtime.sampler import bitmask_width
 
 
 def step_shapes(buckets: Buckets, width: int, fanout_width: int) -> tuple[list, list]:
@@ -51,8 +54,11 @@ def sampling_programs(buckets: Buckets, vocab_size: int, prev_tokens: jax.Array,
         rows = jax.ShapeDtypeStruct((b, vocab_size), jnp.float32, sharding=prev_tokens.sharding)
         sampling, process = sampling_arrays([], b), processing_arrays([], b)
         lists = id_list_widths(process)
+        masks = jax.ShapeDtypeStruct((b, bitmask_width(vocab_size)), jnp.int32, sharding=prev_tokens.sharding)
         out += [(("sample", b), (rows, sampling)),
-                (("process", b, None, k), (rows, sampling, None, prev)),
-                (("process", b, lists, 0), (rows, sampling, process, prev)),
-                (("process", b, lists, k), (rows, sampling, process, prev))]
+                (("process", b, None, False, True, k), (rows, sampling, None, prev, None)),
+                (("process", b, lists, False, True, 0), (rows, sampling, process, prev, None)),
+                (("process", b, lists, False, True, k), (rows, sampling, process, prev, None)),
+                (("process", b, None, True, False, 0), (rows, sampling, None, prev, masks)),
+                (("process", b, None, True, True, 0), (rows, sampling, None, prev, masks))]
     return out

@@ -24,7 +24,7 @@ from forkjax.server.middleware import RequestGuard
 from forkjax.server.protocol import (
     APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest, shutting_down)
-from forkjax.server.serving import OpenAIServing
+from forkjax.server.serving_chat import OpenAIServingChat
 from forkjax.server.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)
 from forkjax.server.validation import describe_errors
@@ -43,7 +43,7 @@ def create_app(client: CoreClient, *, model_name: str, model_root: str, api_key:
                max_body_bytes: int = 8 << 20, body_timeout_s: float = 30.0) -> FastAPI:
     info = client.info
     tokenizer = load_tokenizer(info.tokenizer)
-    serving = OpenAIServing(client, model_name, tokenizer)
+    serving = OpenAIServingChat(client, model_name, tokenizer)
     metrics = ServerMetrics(model_name)
     client.on_output = metrics.observe
     created = int(time.time())

@@ -60,6 +60,10 @@ CORE = [
      [("", "decode_batch_size_mean")]),
     ("decode_steps_total", "counter", "Decode steps run.", [("", "decode_steps")]),
     ("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", "preemptions")]),
+    ("guided_sync_steps_total", "counter", "Steps that waited for the step in flight to build a "
+     "constrained request's token mask (overlap given up).", [("", "guided_sync_steps")]),
+    ("guided_mask_seconds_total", "counter", "Host seconds spent building constrained requests' "
+     "token masks.", [("", "guided_mask_s")]),
     ("workflows_running_peak", "gauge", "Most sessions with a request in the running batch at once.",
      [("", "workflows_running_peak")]),
     ("sessions_open", "gauge", "Sessions (session_id) not ended: live, or idle for less than "

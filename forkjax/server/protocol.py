@@ -2,7 +2,8 @@
 
 Requests validate as validation.py says (strict types, bounded sizes, unimplemented fields only
 at their neutral value). vLLM's extensions (top_k, ignore_eos, stop_token_ids,
-return_token_ids, add_generation_prompt, load_inplace, cache_salt) keep vLLM's names;
+return_token_ids, add_generation_prompt, continue_final_message, load_inplace, cache_salt, the
+guided_* family, structured_outputs) keep vLLM's names;
 forkjax's own (session_id, fanout_adapters) steer its KV cache.
 """
 
@@ -15,6 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from forkjax.sampling_params import MAX_LOGPROBS
+from forkjax.server.protocol_tools import (MAX_TOOLS, ChatDelta, ChatTool, MessageToolCall,
+                                           NamedToolChoice, OutputConstraints, ToolCall)
 from forkjax.server.validation import (MAX_CHOICES, MAX_FANOUT, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                        MAX_STOP, MAX_STOP_CHARS, FieldError, OpenAIRequest,
                                        StrictBody)
@@ -54,7 +57,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(OpenAIRequest):
+class _Sampling(OpenAIRequest, OutputConstraints):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
@@ -167,6 +170,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
@@ -175,29 +180,30 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; see max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="vLLM: the prompt ends inside the last "
+                                                            "(assistant) message, which the output continues")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
-
-    neutral_values = {"tools": ([],), "tool_choice": ("none", "auto")}
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call")
 
     @model_validator(mode="after")
     def _check_format(self):
-        if self.response_format is not None and self.response_format.type != "text":
-            raise FieldError("response_format", "response_format: only type 'text' is supported "
-                                                "by this server")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise FieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            raise FieldError("tool_choice", f"tool_choice: no tool is named "
+                                            f"{self.tool_choice.function.name!r}")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt: "
+                                                       "false and an assistant message last")
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
@@ -286,21 +292,22 @@ class CompletionResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    tool_calls: list[ToolCall] | None = _omitted_if_none()
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: ChatResponseMessage
+    delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = _omitted_if_none(description="vLLM: with return_token_ids")
 
 

@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/chat/completions over the engine-core process.
+"""/v1/completions over the engine-core process, and what it shares with /v1/chat/completions
+(serving_chat.py).
 
 One HTTP request becomes prompts x n engine sequences (its choices), queued atomically: this
 module checks the request against the model (adapter, context, fan-out), builds the choices'
@@ -17,15 +18,13 @@ from fastapi.responses import Response
 
 from forkjax.sampling_params import SamplingParams
 from forkjax.server import messages as m
-from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.core_client import CoreClient, CoreError
-from forkjax.server.protocol import (
-    APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatResponseMessage, ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-    UsageInfo)
-from forkjax.server.logprobs import chat_logprobs, completion_logprobs, echoed, vllm_prompt_logprobs
+from forkjax.server.logprobs import completion_logprobs, echoed, vllm_prompt_logprobs
+from forkjax.server.protocol import (APIError, ChatCompletionRequest, CompletionChoice,
+                                     CompletionRequest, CompletionResponse, UsageInfo)
 from forkjax.server.streaming import (ClientLeft, Generation, PromptOnly, client_left, gather, sse,
                                       unless_disconnected, until_disconnected)
+from forkjax.server.structured import request_grammar
 from forkjax.server.validation import MAX_CHOICES
 
 
@@ -81,7 +80,7 @@ class OpenAIServing:
                                 f"of the {param} or completion.", param=param, code="context_length_exceeded")
         return requested
 
-    def sampling(self, req, max_tokens: int, sample: int) -> SamplingParams:
+    def sampling(self, req, max_tokens: int, sample: int, guided: str | None = None) -> SamplingParams:
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         seed = random.getrandbits(32) if req.seed is None else req.seed + sample
         if isinstance(req, ChatCompletionRequest):
@@ -103,7 +102,7 @@ class OpenAIServing:
                 presence_penalty=float(req.presence_penalty or 0),
                 frequency_penalty=float(req.frequency_penalty or 0),
                 repetition_penalty=float(req.repetition_penalty or 1), min_tokens=req.min_tokens,
-                logit_bias=self.logit_bias(req.logit_bias), logprobs=logprobs)
+                logit_bias=self.logit_bias(req.logit_bias), logprobs=logprobs, guided=guided)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -122,10 +121,17 @@ class OpenAIServing:
         return tuple(out)
 
     async def start(self, req, adapter: str | None, prompts: list[list[int]],
-                    max_tokens: list[int]) -> Generation:
+                    max_tokens: list[int], guided: str | None = None) -> Generation:
+        """Queue the choices of `req` (`guided`: the grammar that constrains them)."""
         fanout = req.fanout_adapters
         self.check_fanout(fanout)
-        choices = [m.Choice(ids, self.sampling(req, budget, j))
+        if guided is not None and self.tokenizer is None:
+            raise APIError(400, "constrained decoding needs the model's tokenizer; this model has none",
+                           param="response_format")
+        if guided is not None and req.min_tokens:  # it would mask the end the grammar may need
+            raise APIError(400, "min_tokens cannot be combined with an output constraint",
+                           param="min_tokens")
+        choices = [m.Choice(ids, self.sampling(req, budget, j, guided))
                    for ids, budget in zip(prompts, max_tokens) for j in range(req.n)]
         try:
             rid, stream = await self.client.submit(
@@ -140,7 +146,8 @@ class OpenAIServing:
                 gone = [n for n in fanout if n not in self.client.adapters]
                 raise _unknown_fanout((gone or fanout)[0]) from None
             if e.kind == "invalid":  # the engine's argument names are the body's, but for the prompt
-                param = e.param if e.param not in (None, "prompt") else (
+                param = e.param if e.param not in (None, "prompt", "guided") else (
+                    "response_format" if e.param == "guided" else
                     "prompt" if isinstance(req, CompletionRequest) else "messages")
                 raise APIError(400, str(e), param=param) from None
             raise
@@ -168,6 +175,10 @@ class OpenAIServing:
                     raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
             if not p:
                 raise APIError(400, "prompt is empty", param="prompt")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:  # before the ids travel to the engine (msgpack refuses ints beyond 64 bits)
+                raise APIError(400, f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
             out.append(list(p))
         return out
 
@@ -192,13 +203,14 @@ class OpenAIServing:
         adapter = self.adapter_for(req.model)
         prompts = self.completion_prompts(req.prompt, req.n)
         budgets = [self.max_tokens(req.max_tokens or 1, len(p), "prompt") for p in prompts]
+        guided = request_grammar(req)  # refused before any work
         scores = None
         if req.scores_prompt is not None:
             try:  # scored chunk by chunk in the core: a client that leaves meanwhile stops it
                 scores = await until_disconnected(raw, self.score_prompts(req, adapter, prompts))
             except ClientLeft:
                 return client_left()
-        gen = (await self.start(req, adapter, prompts, budgets) if req.max_tokens != 0
+        gen = (await self.start(req, adapter, prompts, budgets, guided) if req.max_tokens != 0
                else PromptOnly(len(prompts) * req.n))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = [self.echo_text(p, ids) for p, ids in zip(_listed(req.prompt), prompts)] if req.echo else None
@@ -264,50 +276,3 @@ class OpenAIServing:
         if isinstance(given, str):
             return given
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
-
-    # ---- /v1/chat/completions -------------------------------------------------------------
-
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        adapter = self.adapter_for(req.model)
-        try:
-            prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        budget = self.max_tokens(req.max_new_tokens, len(prompt), "messages")
-        gen = await self.start(req, adapter, [prompt], [budget])
-        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or self.model_name
-        usage = lambda n: UsageInfo(prompt_tokens=len(prompt), completion_tokens=n,  # noqa: E731
-                                    total_tokens=len(prompt) + n)
-        logprobs = lambda e: (chat_logprobs(self.tokenizer, e.token_ids, e.logprobs)  # noqa: E731
-                              if req.logprobs else None)
-
-        if req.stream:
-            def chunk(choices, usage=None):
-                return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-
-            async def chunks():
-                for i in range(gen.choices):
-                    first = ChatResponseMessage(role="assistant", content="")
-                    yield chunk([ChatStreamChoice(index=i, delta=first)])
-                n = 0
-                async for e in gen.events():
-                    n += len(e.token_ids)
-                    if e.text or e.finish_reason or req.return_token_ids or (e.token_ids and req.logprobs):
-                        delta = ChatResponseMessage(content=e.text if e.text else None)
-                        yield chunk([ChatStreamChoice(
-                            index=e.index, delta=delta, finish_reason=e.finish_reason, logprobs=logprobs(e),
-                            token_ids=e.token_ids if req.return_token_ids else None)])
-                if req.stream_options and req.stream_options.include_usage:
-                    yield chunk([], usage(n))
-            return sse(chunks(), gen)
-
-        async def collect():
-            done = await gather(gen)
-            choices = [ChatChoice(index=e.index, message=ChatResponseMessage(role="assistant", content=e.text),
-                                  finish_reason=e.finish_reason, logprobs=logprobs(e),
-                                  token_ids=e.token_ids if req.return_token_ids else None)
-                       for e in done]
-            return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                          usage=usage(sum(len(e.token_ids) for e in done)),
-                                          prompt_token_ids=prompt if req.return_token_ids else None)
-        return await unless_disconnected(raw, collect(), gen)

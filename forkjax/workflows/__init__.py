@@ -33,7 +33,7 @@ def agent_names(pattern: str, *, agents: int = 3, mappers: int = 4, group: int |
 
 def workflow_maker(pattern: str, profile: Profile, tokens: TokenSampler, *, seed: int = 0,
                    agents: int = 3, rounds: int = 4, mappers: int = 4, groups: int = 0,
-                   tool_latency: float = 0.0) -> Callable[[int], Workflow]:
+                   tool_latency: float = 0.0, tool_format: str = "text") -> Callable[[int], Workflow]:
     """i -> workflow `wf{i}` of one shape, drawn from Generator((seed, i)): workflow i is the
     same however many run and whenever it starts. `groups` G > 0: workflow i's agents are
     group i % G's own adapters (`agent_names(..., group=i % G)`)."""
@@ -41,9 +41,10 @@ def workflow_maker(pattern: str, profile: Profile, tokens: TokenSampler, *, seed
                                   group=i % groups if groups else None)
     rng = lambda i: np.random.default_rng((seed, i))  # noqa: E731
     if pattern == "react":
-        return lambda i: ReActWorkflow(i, named(i), rounds, profile, tokens, rng(i), tool_latency)
-    if tool_latency:
-        raise ValueError("tool_latency applies to ReAct only (the other patterns call no tools)")
+        return lambda i: ReActWorkflow(i, named(i), rounds, profile, tokens, rng(i), tool_latency, tool_format)
+    if tool_latency or tool_format != "text":
+        raise ValueError("tool_latency and tool_format apply to ReAct only (the other patterns call no "
+                         "tools)")
     if pattern == "parallel":
         return lambda i: ParallelWorkflow(i, named(i), rounds, profile, tokens, rng(i))
     return lambda i: MapReduceWorkflow(i, named(i)[:-1], named(i)[-1], profile, tokens, rng(i))

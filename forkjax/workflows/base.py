@@ -34,6 +34,9 @@ class TurnRequest:
     max_tokens: int                   # tokens to generate (ignore_eos: exactly this many)
     fanout_adapters: tuple[str, ...]  # agents that read this prompt's prefix later
     last: bool = False                # the workflow's last call: it ends when this one finishes
+    # the JSON schema its output must follow (ReAct's JSON tool calls), None: free; the call then
+    # ends when its JSON does, or at max_tokens
+    guided_json: dict | None = None
 
 
 class Workflow(abc.ABC):

@@ -6,7 +6,8 @@ fields a call carries), runs one `engine.step()` while the engine has work, and 
 finished request's tokens back to its workflow, which may make its next call ready (at once, or
 after a tool latency); a finished workflow's slot starts the next one. When the engine is idle
 and the workflows only wait for tool latencies, the driver sleeps until the first one elapses.
-Requests are greedy (temperature 0) and ignore EOS, so each generates exactly its `max_tokens`.
+Requests are greedy (temperature 0) and ignore EOS, so each generates exactly its `max_tokens`
+(one with a JSON schema, `TurnRequest.guided_json`: until its JSON is complete, at most that).
 
 `clock` and `sleep` are the driver's time: the wall clock by default; a model-free replay
 (replay.py) passes its virtual clock, which its steps advance.
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from forkjax.engine.sequence import SamplingParams, Status
+from forkjax.structured_output import json_schema_grammar
 from forkjax.workflows.loop import Call, ClosedLoop
 from forkjax.workflows.results import RunResult
 
@@ -68,6 +70,7 @@ def run_in_process(engine, workflows, *, fanout: bool = False, session_hints: bo
 
 def _submit(engine, loop: ClosedLoop, call: Call, fanout: bool):
     req = call.request
-    params = SamplingParams(max_new_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    guided = None if req.guided_json is None else json_schema_grammar(req.guided_json)
+    params = SamplingParams(max_new_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
     return engine.add_request(req.prompt, req.adapter, params, **loop.fields(call),
                               fanout_adapters=list(req.fanout_adapters) if fanout else None)

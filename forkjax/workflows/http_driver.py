@@ -73,6 +73,8 @@ def request_body(loop: ClosedLoop, call: Call, fanout: bool) -> dict:
     extra.update({k: v for k, v in loop.fields(call).items() if v is not None and v is not False})
     if fanout:  # [] for none: an absent list means the server's default (every adapter)
         extra["fanout_adapters"] = list(req.fanout_adapters)
+    if req.guided_json is not None:
+        extra["guided_json"] = req.guided_json
     return dict(model=req.adapter, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0,
                 extra_body=extra)
 
@@ -112,7 +114,8 @@ _COUNTERS = {"prompt_tokens": "prompt_tokens_total",
              "host_bytes_stored": "host_bytes_transferred_total{direction=stored}",
              "host_bytes_loaded": "host_bytes_transferred_total{direction=loaded}",
              "lora_swaps": "lora_swaps_total",
-             "lora_swap_bytes": "lora_swap_bytes_total"}
+             "lora_swap_bytes": "lora_swap_bytes_total",
+             "guided_sync_steps": "guided_sync_steps_total"}
 _SECONDS = {"host_load_stall_s": "host_load_stall_seconds_total",
             "lora_swap_wait_s": "lora_swap_wait_seconds_total"}
 _GAUGES = {"base_bytes_used": "kv_bytes_used{pool=base}",

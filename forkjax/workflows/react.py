@@ -25,6 +25,11 @@ its final length is known before it runs:
 
 (the last turn's prompt and generation). The observation tokens are drawn with the same
 Generator when each turn finishes, in turn order.
+
+`tool_format="json"`: each turn's action is a JSON tool call (`TOOL_CALL_SCHEMA`) that the
+engine's constrained decoding enforces, instead of free text: a turn then ends when its call's
+JSON is complete, at most gen_k tokens, so the history grows by what the turns generated and
+`final_tokens` is an upper bound.
 """
 
 from __future__ import annotations
@@ -34,10 +39,16 @@ import numpy as np
 from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
 from forkjax.workflows.profiles import Profile
 
+TOOL_FORMATS = ("text", "json")
+# A ReAct action as a JSON tool call: a tool among a few and its input, bounded.
+TOOL_CALL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["tool", "input"],
+                    "properties": {"tool": {"enum": ["search", "calculate", "lookup", "finish"]},
+                                   "input": {"type": "string", "maxLength": 48}}}
+
 
 class ReActWorkflow(Workflow):
     def __init__(self, index: int, agents, rounds: int, profile: Profile, tokens: TokenSampler,
-                 rng: np.random.Generator, tool_latency: float = 0.0):
+                 rng: np.random.Generator, tool_latency: float = 0.0, tool_format: str = "text"):
         agents = tuple(agents)
         if not agents or len(set(agents)) != len(agents):
             raise ValueError(f"agents={agents!r}: expected distinct adapter names")
@@ -45,6 +56,9 @@ class ReActWorkflow(Workflow):
             raise ValueError(f"rounds={rounds!r}: expected >= 1")
         if tool_latency < 0:
             raise ValueError(f"tool_latency={tool_latency!r}: expected seconds >= 0")
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format={tool_format!r}: expected one of {TOOL_FORMATS}")
+        self.guided_json = TOOL_CALL_SCHEMA if tool_format == "json" else None
         self.session_id = f"wf{index}"
         self.agents, self.num_turns, self.turns_done = agents, len(agents) * rounds, 0
         self.profile, self.tokens, self.rng, self.tool_latency = profile, tokens, rng, tool_latency
@@ -78,7 +92,7 @@ class ReActWorkflow(Workflow):
         self._in_flight = True
         return [TurnRequest(self.session_id, k, agent, self.context + self.history + self.cues[agent],
                             self.gens[k], () if last else tuple(a for a in self.agents if a != agent),
-                            last)]
+                            last, self.guided_json)]
 
     def complete(self, request: TurnRequest, output: list[int], now: float) -> None:
         if not self._in_flight or request.turn != self.turns_done:
