@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Download the wheels that `python -m forkjax.serve` (the serve extra) and NVIDIA aiperf
+# Download the wheels that forkjax (llguidance: constrained decoding), `python -m forkjax.serve`
+# (the serve extra), scripts/bench_structured.py (jsonschema) and NVIDIA aiperf
 # (`aiperf profile`, an external benchmark client: scripts/bench_external.sh) need on an offline
 # Python 3.12 x86-64 GPU machine that already has jax, numpy, transformers (+ huggingface_hub,
-# tokenizers, ...), jinja2, click, anyio and prometheus-client. About 34 MiB in all
+# tokenizers, ...), jinja2, click, anyio and prometheus-client. About 38 MiB in all
 # (typing_extensions is carried: pydantic needs >=4.16, newer than what torch may have brought).
 # One version of each package: the server and aiperf install into one folder.
 #
@@ -21,7 +22,7 @@ DEST=${1:-.whl}
 mkdir -p "$DEST"
 PIP=${PIP:-python3 -m pip}
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_28_x86_64 \
+  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST" \
   aiperf==0.13.0 \
   aiofiles==24.1.0 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
@@ -37,7 +38,9 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 \
   httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 annotated-doc==0.0.7 \
   opentelemetry-api==1.45.3 openai==3.63.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.17.0 \
-  httpcore2==2.17.0 truststore==0.10.5 httptools==0.9.0
+  httpcore2==2.17.0 truststore==0.10.5 httptools==0.9.0 \
+  llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+  rpds-py==2026.9.1
 # (httpx, httpcore, h11, anyio: huggingface_hub's HTTP stack, carried in case the target's lacks
 #  them; from fastapi on: the server and its openai client.)
 ls "$DEST"/*.whl | wc -l | xargs echo "wheels:"
