@@ -56,6 +56,10 @@ class StreamOptions(BaseModel):
 
 class _Sampling(OpenAIRequest):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
+    lora_path: str | None = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS,
+        description="SGLang's field: the adapter to run, by name; it wins over `model`. A gateway "
+                    "that knows a worker by its base model (SMG) routes on `model` and forwards it")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="vLLM: -1 or 0 is off")
@@ -110,6 +114,12 @@ class _Sampling(OpenAIRequest):
         if len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise FieldError("stop", f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} "
                                      "characters")
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_by_lora_path(self):
+        if self.lora_path is not None:
+            self.model = self.lora_path
         return self
 
     @model_validator(mode="after")
