@@ -148,8 +148,21 @@ class CompletionRequest(_Sampling):
                                                  "most likely alternatives, in the choice")
     best_of: int | None = None
     suffix: str | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, description="the prompt as token ids, in place of `prompt` (then \"\"): "
+                                        "for a gateway that takes only text prompts (SMG), which "
+                                        "forwards this field as sent")
 
     neutral_values = {"best_of": (1,), "suffix": ("",)}
+
+    @model_validator(mode="after")
+    def _prompt_from_token_ids(self):
+        if self.prompt_token_ids is not None:
+            if self.prompt != "":
+                raise FieldError("prompt_token_ids", "prompt_token_ids replaces the prompt: send "
+                                                     "prompt \"\" with it")
+            self.prompt = self.prompt_token_ids
+        return self
 
     @field_validator("max_tokens")
     @classmethod

@@ -166,6 +166,9 @@ class OpenAIServing:
                     p = self.tokenizer.encode(p)
                 except Exception as e:  # whatever the tokenizer refuses came with the request
                     raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
+            elif bad := [t for t in p if not 0 <= t < self.vocab_size]:  # before msgspec meets a huge int
+                raise APIError(400, f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
             if not p:
                 raise APIError(400, "prompt is empty", param="prompt")
             out.append(list(p))
