@@ -24,6 +24,7 @@ import time
 import httpx
 
 READY = re.compile(r"forkjax: ready: .* at (http://\S+)/v1")
+HEALTH_PROBE = re.compile(r'"GET /health HTTP/[\d.]+" 200')
 LOOPBACK = "127.0.0.1"
 # A dead worker leaves the ring after HEALTH_FAILURES failed checks HEALTH_INTERVAL_S apart,
 # and a restarted one rejoins after one good check: seconds, not SMG's default minutes.
@@ -134,6 +135,8 @@ class Cluster:
         for line in proc.stdout:
             if proc.ready_url is None and (m := READY.search(line)):
                 proc.ready_url = m[1]
+            if HEALTH_PROBE.search(line):  # the gateway's, every second
+                continue
             with self._lock:
                 self.log.write(f"[{tag}] {line}")
                 self.log.flush()
