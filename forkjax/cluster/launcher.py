@@ -29,7 +29,8 @@ LOOPBACK = "127.0.0.1"
 # A dead worker leaves the ring after HEALTH_FAILURES failed checks HEALTH_INTERVAL_S apart,
 # and a restarted one rejoins after one good check: seconds, not SMG's default minutes.
 HEALTH_INTERVAL_S, HEALTH_FAILURES, HEALTH_TIMEOUT_S = 1, 2, 2
-STOP_TIMEOUT_S = 60.0  # past the workers' own drain (--shutdown-timeout, 30 s)
+DRAIN_S = 30  # the gateway's in-flight requests get as long as the workers' (--shutdown-timeout)
+STOP_TIMEOUT_S = 60.0  # past both drains: killed
 
 
 def smg_binary() -> str:
@@ -58,7 +59,8 @@ def gateway_command(host: str, port: int, workers: list[str], policy: str, metri
            "--policy", policy, "--prometheus-host", LOOPBACK, "--prometheus-port", str(metrics_port),
            "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
            "--health-failure-threshold", str(HEALTH_FAILURES), "--health-success-threshold", "1",
-           "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S), "--log-level", "warn"]
+           "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S), "--log-level", "warn",
+           "--shutdown-grace-period-secs", str(DRAIN_S)]
     return cmd + (["--api-key", api_key] if api_key else [])
 
 
@@ -156,7 +158,8 @@ class Cluster:
             if self.gateway.poll() is not None:
                 raise RuntimeError(f"the gateway exited with status {self.gateway.returncode}")
             try:
-                listed = httpx.get(f"{self.gateway_url}/workers", timeout=5).json()["workers"]
+                auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                listed = httpx.get(f"{self.gateway_url}/workers", headers=auth, timeout=5).json()["workers"]
                 healthy = {w["url"] for w in listed if w.get("is_healthy") and w.get("model_id")}
                 if healthy >= set(self.worker_urls):
                     return
