@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import bench_workflows
 from forkjax.cluster.launcher import free_port, worker_command
 from serve_utils import BASE, DEMO, REPO, Server, sse_events, wait_for
 
@@ -89,10 +90,11 @@ def completion(http: httpx.Client, key: str, adapter: str | None, **body) -> htt
     return http.post("/v1/completions", json=fields, headers={"X-SMG-Routing-Key": key})
 
 
-def test_cluster(cluster):
-    """One cluster for the three checks (as separate tests, xdist could start one per worker)."""
+def test_cluster(cluster, tmp_path):
+    """One cluster for the four checks (as separate tests, xdist could start one per worker)."""
     adapters_route_by_name(cluster)
     owner = one_key_one_worker(cluster)
+    bench_through_the_gateway(cluster, tmp_path, bench_workflows())
     killed_worker(cluster, owner)
 
 
@@ -142,6 +144,17 @@ def one_key_one_worker(cluster) -> dict[str, int]:
                 break
     assert set(owner.values()) == {0, 1}, owner
     return owner
+
+
+def bench_through_the_gateway(cluster, tmp_path, bench):
+    """`bench_workflows.py --router`: each workflow's calls carry its key, so the prefill the two
+    workers computed is the minimal prefill of one engine that saw every workflow (minimal.py,
+    from the calls alone); scattered agents would recompute each other's prefixes."""
+    (row,) = bench.main(["--router", cluster.gateway, "--model", BASE, "--pattern", "react", "--workflows", "4",
+                         "--context", "64", "--gen", "4", "--obs", "4", "--rounds", "2", "--dtype", "float32",
+                         "--policy", "forkkv", "--max-batch-size", "4", "--out", str(tmp_path / "bench")])
+    assert row["replicas"] == 2 and row["base_hit_rate"] > 0.5, row
+    assert row["prefill_tokens_computed"] == row["prefill_tokens_minimal"], row
 
 
 def killed_worker(cluster, owner: dict[str, int]):
