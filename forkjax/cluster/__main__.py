@@ -3,7 +3,7 @@
 Starts N workers with the given flags on free loopback ports and the gateway (SMG) on --host:P,
 prints `worker URL` for each worker as it is ready and then `gateway URL` once the gateway routes
 to all of them; runs until SIGTERM or Ctrl-C, which stop every process. A worker that dies is
-left out by the gateway's health checks; the same worker command on its old port brings it back:
+left out by the gateway's health checks; the same worker command on its old port brings it back.
 
     python -m forkjax.serve [the flags] --host 127.0.0.1 --port PORT
 """
@@ -22,7 +22,9 @@ POLICIES = ("consistent_hashing", "cache_aware", "round_robin", "random", "power
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m forkjax.cluster", description=__doc__.split("\n\n")[1],
-                                epilog="Every other flag goes to each `python -m forkjax.serve` worker.")
+                                epilog="Every other flag goes to each `python -m forkjax.serve` worker; a dead "
+                                       "worker comes back as `python -m forkjax.serve [those flags] --host "
+                                       "127.0.0.1 --port PORT` (the port of its `worker` line).")
     p.add_argument("--replicas", type=int, default=2, help="workers (2)")
     p.add_argument("--port", type=int, default=8000, help="the gateway's port (8000)")
     p.add_argument("--host", default=LOOPBACK, help="the gateway's address (127.0.0.1); workers stay on loopback")
@@ -32,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    args, serve_args = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, serve_args = parser.parse_known_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas={args.replicas}: expected >= 1")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port={args.port}: expected a port in 1..65535 (the gateway's)")
 
     def stop(sig, frame):
         raise KeyboardInterrupt
