@@ -92,6 +92,10 @@ process tells the device for the defaults). A run's counters are differences of 
 /metrics around it and a fresh cache is POST /flush_cache; the decode batch mean and the
 workflows' peak run from the server's start, which nothing resets, hence a server per count.
 `per_agent_kv_bytes` is measured on the first count's server, after its run, as above.
+--router URL drives a running `python -m forkjax.cluster` instead (several servers behind SMG,
+started with the cache policy of --policy and flags of the user's choice, e.g. those
+workflow_engines.server_flags gives): the agents are loaded into every worker, each workflow's
+calls carry its id as the routing key, and a run's counters add up every worker's.
 `server_start_s` is launch to ready (weights and warm-up, the server's compilation cache
 included); `build_s`, `compile_s` and `compile_breakdown` are null (in-process runs: null
 `server_start_s`). Not with --replay, --step-log, --compile-workers nor --distinct-agents.
@@ -123,7 +127,7 @@ from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.react import TOOL_FORMATS
 from forkjax.workflows.report import summary_line, write_json, write_summary
-from forkjax.workflows.runners import InProcess, OverHttp
+from forkjax.workflows.runners import InProcess, OverHttp, OverRouter
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
 
@@ -199,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "excludes most compiles)")
     p.add_argument("--http", action="store_true", help="drive a `python -m forkjax.serve` process over "
                    "HTTP with the openai client instead of the engine API")
+    p.add_argument("--router", metavar="URL", help="drive a running `python -m forkjax.cluster` gateway "
+                   "at URL over HTTP (each workflow's calls carry its routing key); its workers' "
+                   "--cache-policy must be --policy's one policy")
     p.add_argument("--step-log", action="store_true", help="results.json gets `steps`: every step's kind, "
                    "requests, tokens computed and attended, and device seconds (EngineStats.step_log)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workflows' lengths and tokens")
@@ -227,9 +234,14 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
     if min(counts) < 1:
         raise ValueError(f"workflow counts {counts}: expected >= 1")
     args.totals = {n: total_of(args.total, n) for n in counts}
-    if args.http and (args.replay or args.step_log):
+    if args.http and args.router:
+        raise ValueError("--http starts a server of its own; --router drives a running cluster: one of them")
+    if args.router and len(policies) != 1:
+        raise ValueError(f"--router: the cluster runs one cache policy; --policy {args.policy!r} names several")
+    remote = "--http" if args.http else "--router" if args.router else None
+    if remote and (args.replay or args.step_log):
         raise ValueError(f"--{'replay' if args.replay else 'step-log'} drives the engine in process: "
-                         "not with --http")
+                         f"not with {remote}")
     if args.tool_latency < 0 or (args.tool_latency and args.pattern != "react"):
         raise ValueError(f"--tool-latency={args.tool_latency}: seconds >= 0, for --pattern react only")
     if args.tool_format != "text" and (args.pattern != "react" or args.replay):
@@ -237,10 +249,10 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
                          "(not with --replay)")
     if args.replay and args.tensor_parallel_size != 1:
         raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
-    if args.http and args.compile_workers is not None:
-        raise ValueError("--compile-workers: the server compiles on its own threads; not with --http")
-    if args.distinct_agents and args.http:
-        raise ValueError("--distinct-agents: in process only, not with --http")
+    if remote and args.compile_workers is not None:
+        raise ValueError(f"--compile-workers: the server compiles on its own threads; not with {remote}")
+    if args.distinct_agents and remote:
+        raise ValueError(f"--distinct-agents: in process only, not with {remote}")
     if args.residual_fraction is not None and not 0 < args.residual_fraction < 1:
         raise ValueError(f"--residual-fraction={args.residual_fraction}: expected a fraction in (0, 1)")
     if args.model not in (*BUILTIN_CONFIGS, *PACKAGED) and not os.path.isdir(args.model):
@@ -253,7 +265,7 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
     for k, v in FIXED_DEFAULTS.items():
         setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     device = None
-    if args.http:  # the server owns the device: this process starts no JAX backend
+    if remote:  # the server owns the device: this process starts no JAX backend
         from forkjax.workflows.local_server import probe_device  # the serve extra: httpx
         device = probe_device()
     else:
@@ -367,7 +379,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"{f' x {args.groups} groups' if args.groups else ''}, {lengths}")
     rows = []
     for policy in policies:
-        runs = over_http if args.http else in_process
+        runs = over_http if args.http else over_router if args.router else in_process
         for point in runs(args, policy, counts, names, cfg, max_model_len, profile, tokens, device):
             row = {**meta, **point}
             rows.append(row)
@@ -418,6 +430,30 @@ def over_http(args, policy: str, counts, names, cfg, max_model_len, profile, tok
                     kv = per_agent_kv(runner, args, policy, names, profile, tokens)
             yield {**point, "per_agent_kv_bytes": kv, "build_s": None, "compile_s": None,
                    "compile_breakdown": None, "server_start_s": server.start_s}
+
+
+def over_router(args, policy: str, counts, names, cfg, max_model_len, profile, tokens, device):
+    """Yield each count's point of `policy` on the running cluster behind `args.router`: the
+    agents are loaded into every worker as PEFT directories (POST /v1/load_lora_adapter, kept
+    in place if a previous run loaded them); the KV per agent is measured after the first run."""
+    import httpx
+
+    from forkjax.lora.peft import save_peft_adapter
+    runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints)
+    root = os.path.join(os.path.abspath(args.out), "agents")
+    for name, adapter in agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared").items():
+        path = save_peft_adapter(adapter, os.path.join(root, name))
+        for w in runner.workers:
+            httpx.post(f"{w}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
+                                                          "load_inplace": True}, timeout=600).raise_for_status()
+    kv = None
+    for n in counts:
+        point = run_point(runner, args, policy, n, profile, tokens, page_size=PAGE_SIZE,
+                          max_batch_size=args.max_batch_size or device["max_batch_size"])
+        if kv is None:
+            kv = per_agent_kv(runner, args, policy, names, profile, tokens)
+        yield {**point, "per_agent_kv_bytes": kv, "replicas": len(runner.workers), "build_s": None,
+               "compile_s": None, "compile_breakdown": None, "server_start_s": None}
 
 
 if __name__ == "__main__":

@@ -206,3 +206,14 @@ def test_edge_values_are_served_and_seeds_reproduce(server):
         first, second = complete(http, **body)["choices"], complete(http, **body)["choices"]
     assert [c["text"] for c in first] == [c["text"] for c in second]  # seeded sampling repeats
     assert len({c["text"] for c in first}) > 1  # and the n samples differ (seed + i)
+
+
+def test_lora_path_and_prompt_token_ids_stand_for_model_and_prompt(server):
+    """The form a gateway forwards (tests/test_cluster.py): the base model's name with the adapter
+    in `lora_path`, token ids in `prompt_token_ids` beside an empty prompt."""
+    with server.http() as http:
+        want = complete(http, model="coder", prompt=[72, 105, 33], max_tokens=6)
+        got = complete(http, model=BASE, lora_path="coder", prompt="", prompt_token_ids=[72, 105, 33], max_tokens=6)
+        base = complete(http, model=BASE, prompt=[72, 105, 33], max_tokens=6)
+    assert got["model"] == "coder" and got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert base["choices"][0]["text"] != want["choices"][0]["text"]

@@ -360,17 +360,21 @@ def test_http_driver_sends_the_session_fields(tmp_path, monkeypatch):
         while not w.done:
             (call,) = loop.ready(w, 0.0)
             bodies.append(request_body(loop, call, fanout=True))
+            through = request_body(loop, call, True, base_model="tiny-llama")  # a gateway's form
+            assert through["model"] == "tiny-llama" and through["extra_body"]["lora_path"] == call.request.adapter
+            assert through["prompt"] == "" and through["extra_body"]["prompt_token_ids"] == list(call.request.prompt)
             loop.complete(call, _fake_output(call.request), 0.0)
             assert bodies[-1]["model"] == call.request.adapter and bodies[-1]["prompt"] == call.request.prompt
             assert bodies[-1]["extra_body"]["fanout_adapters"] == list(call.request.fanout_adapters)
         for i, body in enumerate(bodies):
             extra = body["extra_body"]
             assert extra["session_id"] == "wf0" and extra.get("session_end", False) == (i == len(bodies) - 1)
+            assert body["extra_headers"] == {"X-SMG-Routing-Key": "wf0"} and "lora_path" not in extra
             assert extra.get("session_tokens") == (w.final_tokens if hints else None)
     calls = []  # what the client sends (the server's own tests check what it does with it)
 
-    def recording(loop, call, fanout):
-        body = request_body(loop, call, fanout)
+    def recording(loop, call, fanout, base_model=None):
+        body = request_body(loop, call, fanout, base_model)
         extra = body["extra_body"]
         calls.append({"prompt": body["prompt"], "max_tokens": body["max_tokens"], "session_id": extra["session_id"],
                       "session_end": extra.get("session_end", False), "session_tokens": extra.get("session_tokens")})

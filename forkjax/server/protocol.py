@@ -59,6 +59,10 @@ class StreamOptions(BaseModel):
 
 class _Sampling(OpenAIRequest, OutputConstraints):
     model: str | None = Field(None, description="an adapter name, or the base model's name")
+    lora_path: str | None = Field(
+        None, min_length=1, max_length=MAX_ID_CHARS,
+        description="SGLang's field: the adapter to run, by name; it wins over `model`. A gateway "
+                    "that knows a worker by its base model (SMG) routes on `model` and forwards it")
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="vLLM: -1 or 0 is off")
@@ -116,6 +120,12 @@ class _Sampling(OpenAIRequest, OutputConstraints):
         return self
 
     @model_validator(mode="after")
+    def _adapter_by_lora_path(self):
+        if self.lora_path is not None:
+            self.model = self.lora_path
+        return self
+
+    @model_validator(mode="after")
     def _check_session(self):
         if self.session_id is None:
             for name, given in (("session_end", self.session_end),
@@ -141,8 +151,21 @@ class CompletionRequest(_Sampling):
                                                  "most likely alternatives, in the choice")
     best_of: int | None = None
     suffix: str | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, description="the prompt as token ids, in place of `prompt` (then \"\"): "
+                                        "for a gateway that takes only text prompts (SMG), which "
+                                        "forwards this field as sent")
 
     neutral_values = {"best_of": (1,), "suffix": ("",)}
+
+    @model_validator(mode="after")
+    def _prompt_from_token_ids(self):
+        if self.prompt_token_ids is not None:
+            if self.prompt != "":
+                raise FieldError("prompt_token_ids", "prompt_token_ids replaces the prompt: send "
+                                                     "prompt \"\" with it")
+            self.prompt = self.prompt_token_ids
+        return self
 
     @field_validator("max_tokens")
     @classmethod

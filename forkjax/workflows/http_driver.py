@@ -8,6 +8,12 @@ starts. A call is `/v1/completions` with the prompt as token ids, the agent's ad
 `choices[0].token_ids`, which the next turns read; the session fields `session_id`,
 `session_end`, `session_tokens`; `fanout_adapters`) in the body (`extra_body`).
 
+Every call carries its workflow's id in SMG's `X-SMG-Routing-Key` header, so a gateway in front
+of several servers (`python -m forkjax.cluster`) sends all of a workflow's agents, every turn, to
+one of them. Through the gateway (`base_model` given) `model` is the base model's name, which SMG
+routes on, the agent's adapter travels in `lora_path` and the prompt's token ids in
+`prompt_token_ids` (SMG takes only text in `prompt`), fields SMG forwards as sent.
+
 Engine statistics come from the server's Prometheus `/metrics`: `scrape` reads it, and
 `stats_between` turns two scrapes into the keys `Engine.stats()` has (counters as differences).
 """
@@ -25,16 +31,18 @@ from forkjax.workflows.base import Workflow
 from forkjax.workflows.loop import Call, ClosedLoop
 from forkjax.workflows.results import RunResult
 
+ROUTING_KEY = "X-SMG-Routing-Key"  # SMG's consistent_hashing policy hashes it to a worker
 _SAMPLE = re.compile(r"^forkjax:(\w+)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 async def run_http(base_url: str, workflows, *, fanout: bool = False, session_hints: bool = True,
                    api_key: str = "EMPTY", progress: bool = True, desc: str = "turns",
-                   timeout_s: float = 3600.0) -> RunResult:
+                   timeout_s: float = 3600.0, base_model: str | None = None) -> RunResult:
     """Run `workflows` (a list, all at t=0, or a loop.WorkflowSource of N slots) against the
-    server at `base_url` (e.g. http://127.0.0.1:8000, no /v1); `fanout` and `session_hints` as
-    in `driver.run_in_process`."""
+    server or gateway at `base_url` (e.g. http://127.0.0.1:8000, no /v1); `fanout` and
+    `session_hints` as in `driver.run_in_process`; `base_model`: the base model's name, for a
+    gateway."""
     # No retries: a retried call would be timed twice and hide a server error.
     client = AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
                          timeout=timeout_s)
@@ -44,7 +52,8 @@ async def run_http(base_url: str, workflows, *, fanout: bool = False, session_hi
             pending: dict[asyncio.Task, Call] = {}
             while w is not None:
                 for call in loop.ready(w, loop.now()):
-                    pending[asyncio.create_task(_complete(client, request_body(loop, call, fanout)))] = call
+                    body = request_body(loop, call, fanout, base_model)
+                    pending[asyncio.create_task(_complete(client, body))] = call
                 wake = w.next_ready_at()
                 if not pending:
                     if wake is None:
@@ -66,17 +75,22 @@ async def run_http(base_url: str, workflows, *, fanout: bool = False, session_hi
         return loop.result()
 
 
-def request_body(loop: ClosedLoop, call: Call, fanout: bool) -> dict:
-    """The /v1/completions arguments of `call` (`extra_body`: forkjax's and vLLM's fields)."""
+def request_body(loop: ClosedLoop, call: Call, fanout: bool, base_model: str | None = None) -> dict:
+    """The /v1/completions arguments of `call` (`extra_body`: forkjax's and vLLM's fields;
+    `extra_headers`: the workflow's routing key)."""
     req = call.request
     extra = {"ignore_eos": True, "return_token_ids": True}
+    prompt = req.prompt
+    if base_model is not None:  # SMG takes text prompts only: the ids travel beside an empty one
+        extra.update(lora_path=req.adapter, prompt_token_ids=list(req.prompt))
+        prompt = ""
     extra.update({k: v for k, v in loop.fields(call).items() if v is not None and v is not False})
     if fanout:  # [] for none: an absent list means the server's default (every adapter)
         extra["fanout_adapters"] = list(req.fanout_adapters)
     if req.guided_json is not None:
         extra["guided_json"] = req.guided_json
-    return dict(model=req.adapter, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0,
-                extra_body=extra)
+    return dict(model=base_model or req.adapter, prompt=prompt, max_tokens=req.max_tokens, temperature=0,
+                extra_body=extra, extra_headers={ROUTING_KEY: call.workflow.session_id})
 
 
 async def _complete(client: AsyncOpenAI, body: dict) -> list[int]:
@@ -140,4 +154,19 @@ def stats_between(before: dict[str, float], after: dict[str, float]) -> dict:
     if _PEAK in after:
         fresh = not before.get(_STEPS)  # no decode step yet
         out[_PEAK] = int(after[_PEAK]) if fresh or after[_PEAK] > before.get(_PEAK, 0.0) else None
+    return out
+
+
+def stats_across(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict:
+    """`stats_between` over several servers' scrapes (a gateway's workers, in one order): counters
+    and gauges summed, the decode batch mean weighted by each server's decode steps, the
+    workflows' peak the sum of the servers' (None if one of them has none)."""
+    each = [stats_between(b, a) for b, a in zip(before, after)]
+    out: dict = {k: sum(s[k] for s in each) for k in each[0] if k not in (_MEAN, _PEAK)}
+    if _MEAN in each[0]:
+        steps = [a.get(_STEPS, 0.0) - b.get(_STEPS, 0.0) for b, a in zip(before, after)]
+        out[_MEAN] = sum(s[_MEAN] * n for s, n in zip(each, steps)) / sum(steps) if sum(steps) else 0.0
+    if _PEAK in each[0]:
+        peaks = [s[_PEAK] for s in each]
+        out[_PEAK] = None if None in peaks else sum(peaks)
     return out

@@ -22,7 +22,8 @@ def summary_line(row: dict) -> str:
         return "n/a" if row.get(key) is None else format(row[key], spec)
     # over HTTP the server's start-up (weights and warm-up) is timed, not its compiles
     start = (f"server start {row['server_start_s']:.1f} s" if row.get("server_start_s") is not None
-             else f"compile {row['compile_s']:.1f} s {row['compile_breakdown']}")
+             else f"compile {row['compile_s']:.1f} s {row['compile_breakdown']}" if row.get("compile_s") is not None
+             else f"{row.get('replicas')} running replicas")  # --router: a cluster started beforehand
     return (f"{'replay ' if row.get('replay') else ''}{row['pattern']} {row['policy']} "
             f"x{row['workflows']} ({row['total']} in all): {row['tasks_per_s']:.3f} tasks/s, steady "
             f"{f('tasks_per_s_steady', '.3f')}, sustained {f('tasks_per_s_sustained', '.3f')}, "
