@@ -26,8 +26,6 @@
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
 #   online  the same at Poisson rates $SERVING_RATES (req/s, 512 requests each)   online/   ~1 min a rate
-#   wheels  install .whl/ (scripts/fetch_gpu_wheels.sh: the server's packages and aiperf) into
-#           /tmp/site, on PYTHONPATH for the later stages of the same command
 #   http    bench_serving.py ShareGPT-like offline, 1,000 requests, `prefix`,   http/    ~6 min
 #           $HTTP_MODEL (llama3.1-8b-random): in process, then over HTTP (a `python -m
 #           forkjax.serve` process, the client in processes of its own)
@@ -61,10 +59,14 @@
 #           <stage>_host/; $WF_TOOL seconds of tool latency, ReAct only, into <stage>_tool<s>/;
 #           WF_DISTINCT=1: every workflow slot's own agents, into <stage>_distinct/; $WF_MAX_LORAS
 #           device adapter slots, into <stage>..._slots<n>/; WF_HTTP=1: over HTTP, a `python -m
-#           forkjax.serve` process per point, into <stage>..._http/, after the wheels stage)
+#           forkjax.serve` process per point, into <stage>..._http/)
 #   old     the stages $OLD_STAGES (default: wheels,http) of an older tree, for before/after tables on one
 #           card: `mkdir .old && git archive REV | tar -x -C .old` here, carry `.old`; its results
-#           under $OUT/old/ (its FORKJAX_COMMIT: $OLD_COMMIT)
+#           under $OUT/old/ (its FORKJAX_COMMIT: $OLD_COMMIT; it gets a copy of .whl/)
+#
+# Carry .whl/ (scripts/fetch_gpu_wheels.sh): the packages the GPU machine lacks (the server's and
+# aiperf's) are installed from it into /tmp/site, on PYTHONPATH for
+# every stage.
 #
 # Every results file records $FORKJAX_COMMIT (scripts/provenance.py; pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -72,6 +74,12 @@
 set -u
 : "${OUT:?set OUT to the output folder}"
 export PYTHONPATH=.
+if [ ! -e /tmp/site/.installed ] && compgen -G ".whl/*.whl" > /dev/null; then  # once a machine
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.installed
+    echo "wheels: rc=$?"
+fi
+[ -e /tmp/site/.installed ] && export PYTHONPATH=.:/tmp/site
 run() {  # run <seconds> <log name> <command...>: time-boxed, log under $OUT, one summary line
     local limit=$1 log=$2
     shift 2
@@ -163,10 +171,6 @@ for stage in "$@"; do
             --deselect "$t[full_reuse]" --deselect "$t[forkkv]" --deselect "$t[lrshared]" ;;
     swaps)
         run 420 swaps.log python3 -m pytest -q tests/test_engine_adapter_swap.py ;;
-    wheels)
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
-        echo "wheels: rc=$?" ;;
     http | http_online)
         shape="--model ${HTTP_MODEL:-llama3.1-8b-random} --dataset sharegpt --policy prefix"
         mkdir -p "$OUT/http"
@@ -250,8 +254,10 @@ PY
             > "$OUT/$name.log" 2>&1
         echo "bench_workflows $name: rc=$?"
         tr '\r' '\n' < "$OUT/$name.log" | grep -E "^$stage|Error" ;;
+    wheels) ;;  # installed above, whenever .whl/ is carried
     old)
         mkdir -p "$OUT/old"
+        cp -r .whl .old/ 2> /dev/null
         (cd .old && OUT="$OUT/old" FORKJAX_COMMIT="${OLD_COMMIT:-old}" \
             bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' ')) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
