@@ -21,7 +21,7 @@ DEST=${1:-.whl}
 mkdir -p "$DEST"
 PIP=${PIP:-python3 -m pip}
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+  --implementation cp --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$DEST" \
   aiperf==0.13.0 \
   aiofiles==24.1.0 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \

@@ -65,8 +65,7 @@
 #           under $OUT/old/ (its FORKJAX_COMMIT: $OLD_COMMIT; it gets a copy of .whl/)
 #
 # Carry .whl/ (scripts/fetch_gpu_wheels.sh): the packages the GPU machine lacks (the server's and
-# aiperf's) are installed from it into /tmp/site, on PYTHONPATH for
-# every stage.
+# aiperf's) are installed from it into /tmp/site, on PYTHONPATH for every stage.
 #
 # Every results file records $FORKJAX_COMMIT (scripts/provenance.py; pass `FORKJAX_COMMIT=$(git rev-parse HEAD)` from the
 # checkout: the device's copy of the tree does not carry the commit).
@@ -257,7 +256,7 @@ PY
     wheels) ;;  # installed above, whenever .whl/ is carried
     old)
         mkdir -p "$OUT/old"
-        cp -r .whl .old/ 2> /dev/null
+        [ -d .whl ] && mkdir -p .old/.whl && cp .whl/*.whl .old/.whl/
         (cd .old && OUT="$OUT/old" FORKJAX_COMMIT="${OLD_COMMIT:-old}" \
             bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' ')) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
