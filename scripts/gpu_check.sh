@@ -265,7 +265,7 @@ PY
     wheels) ;;  # installed above, whenever .whl/ is carried
     old)
         mkdir -p "$OUT/old"
-        cp -r .whl .old/ 2> /dev/null
+        [ -d .whl ] && mkdir -p .old/.whl && cp .whl/*.whl .old/.whl/
         (cd .old && OUT="$OUT/old" FORKJAX_COMMIT="${OLD_COMMIT:-old}" \
             bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' ')) ;;
     *) echo "unknown stage $stage"; exit 2 ;;

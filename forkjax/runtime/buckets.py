@@ -1,9 +1,9 @@
 """The static shapes the ModelRunner compiles: every batch is padded up to one of them.
 
 Decode: batch sizes 4, 8, 16, ... up to max_batch_size (the hot path: little padding). None is
-smaller than MIN_DECODE_ROWS: XLA on a GPU runs a one-row GEMM over a dynamic slice of the
-scanned layers' weights as a matrix-vector fusion several times slower than four rows on cuBLAS
-(BENCHMARKS.md, Engine decode and prefill).
+smaller than MIN_DECODE_ROWS (or max_batch_size, if that is smaller): XLA on a GPU runs a
+one-row GEMM over a dynamic slice of the scanned layers' weights as a matrix-vector fusion
+several times slower than four rows on cuBLAS (BENCHMARKS.md, Engine decode and prefill).
 Extend: chunk tokens C in 16, 64, 256, ... and requests B in 1, 4, 16, ... with B·C within
 max_prefill_tokens (each cap itself a bucket), so a whole prefill sweep is ~15 programs. A chunk
 longer than `piece` tokens goes as consecutive pieces of at most `piece`, one row each
