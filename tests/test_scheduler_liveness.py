@@ -49,6 +49,45 @@ def test_an_extend_batch_skips_the_requests_its_reservations_preempted(monkeypat
     engine.cache.check()
 
 
+def _forked_path(engine, adapter):
+    """Three requests, one after another, in a pool of 8 usable pages of 16 tokens: b forks a's
+    prompt inside its second page and inserts its own copy of that page, so c's cached path
+    (b's) spells 74 tokens in 6 pages, and c (100 + 12 tokens: 7 pages, plus one to copy its
+    hit's last page) fits the pool only without it. Returns c, finished."""
+    rng = np.random.default_rng(0)
+    x, y, w = (rng.integers(3, 250, n).tolist() for n in (40, 56, 26))
+    for prompt, n in ((x, 1), (x[:24] + y, 1), (x[:24] + y[:50] + w, 12)):
+        seq = engine.add_request(prompt, adapter, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        _finish(engine, [seq], steps=300)
+        engine.cache.check()
+    return seq
+
+
+def test_a_request_whose_cached_path_takes_more_pages_than_its_tokens_finishes_alone():
+    """Alone, and refused no pages by the capacity check, c finds none with its hit locked: it
+    runs again without it (once), instead of preempting itself at every step."""
+    engine = ReplayEngine("tiny-llama", ["a"], cache_policy="prefix", kv_cache_bytes=10 * 16384,
+                          max_batch_size=4, max_prefill_tokens=256, max_model_len=256)
+    assert engine.cache.base_tree.allocator.num_usable == 8
+    seq = _forked_path(engine, "a")
+    assert len(seq.output) == 12 and not seq.reuse_cache and engine.stats()["preemptions"] == 1
+
+
+def test_without_its_cached_path_a_request_computes_the_same_tokens():
+    """The same on tiny-llama (f32, greedy): c's tokens are those c computes alone in a fresh
+    engine whose pool holds everything."""
+    import forkjax
+
+    kw = dict(dtype="float32", cache_policy="prefix", max_batch_size=4, max_prefill_tokens=256,
+              max_model_len=256, warmup=False, progress=False)
+    tight = forkjax.Engine.from_pretrained("tiny-llama", kv_cache_bytes=10 * 32768, **kw)
+    assert tight.cache.base_tree.allocator.num_usable == 8
+    seq = _forked_path(tight, None)
+    assert not seq.reuse_cache
+    fresh = forkjax.Engine.from_pretrained("tiny-llama", kv_cache_bytes=1 << 22, **kw)
+    assert fresh.generate([list(seq.prompt)], max_new_tokens=12, ignore_eos=True)[0] == seq.output
+
+
 POLICIES = ("prefix", "forkkv", "forkkv+fanout", "full_reuse", "lrshared")
 
 

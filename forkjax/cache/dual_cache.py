@@ -69,16 +69,25 @@ class DualRadixCache:
         return MatchResult(base_len, res_len, base_pages, res_pages, base_node, res_node)
 
     def begin(self, tokens, adapter_key: Hashable = None, *, count_hits: bool = True,
-              fanout: dict[int, Hashable] | None = None) -> SeqCache:
+              fanout: dict[int, Hashable] | None = None, reuse: bool = True) -> SeqCache:
         """Match and lock a new request's prompt; `release()` the handle when it ends.
 
         The hit counters of `stats()` move when the handle's first `reserve` succeeds, and only
         with `count_hits` (the engine passes False when it re-admits a preempted request).
         `fanout` {adapter slot: adapter key}: the agents whose residuals this request also
-        writes (`forkkv` only: their residual namespaces must differ from its own)."""
+        writes (`forkkv` only: their residual namespaces must differ from its own).
+        `reuse=False`: no hit, every page its own. A cached path can take more pages than its
+        tokens (a fork inside a page whose writer inserted its own copy of that page starts a
+        node with a page of its own): a request that needs nearly the whole pool may then fit
+        only without it."""
         tokens = np.asarray(tokens, np.int32)
-        self.prefetch(tokens, adapter_key, list((fanout or {}).values()))
-        m = self.match(tokens, adapter_key)
+        if reuse:
+            self.prefetch(tokens, adapter_key, list((fanout or {}).values()))
+            m = self.match(tokens, adapter_key)
+        else:
+            res_ns, none = self.policy.res_ns(adapter_key), np.zeros(0, np.int32)
+            m = MatchResult(0, 0, none, none.copy(), self.base_tree.root(self.policy.base_ns(adapter_key)),
+                            None if res_ns is None else self.res_tree.root(res_ns))
         base = PoolSeq("base", self.base_tree, self.policy.base_ns(adapter_key), m.base_len, m.base_pages,
                        m.base_node)
         res = None
@@ -90,7 +99,8 @@ class DualRadixCache:
             ns = self.policy.res_ns(key)
             if ns is None or ns == self.policy.res_ns(adapter_key) or self.policy.residual != "per_adapter":
                 raise ValueError(f"residual fan-out to {key!r} needs the forkkv policy and another agent")
-            length, pages, node = self.res_tree.match_prefix(ns, tokens)
+            length, pages, node = (self.res_tree.match_prefix(ns, tokens) if reuse
+                                   else (0, np.zeros(0, np.int32), self.res_tree.root(ns)))
             pools[slot] = PoolSeq("residual", self.res_tree, ns, length, pages, node)
         handle = SeqCache(self, adapter_key, len(tokens), base, res, count_hits=count_hits, fanout=pools)
         self._live.add(handle)

@@ -163,13 +163,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.waiting.remove(seq)
         self.admission.on_leave(seq)
         first = seq.first_admitted is None  # a preempted request's hits are not recounted
-        h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=first, fanout=seq.fanout)
+        h = self.cache.begin(seq.tokens, seq.adapter_key, count_hits=first, fanout=seq.fanout,
+                             reuse=seq.reuse_cache)
         if first:
             seq.first_admitted = self.clock()
         seq.cache, seq.status = h, Status.RUNNING
         seq.num_computed = min(h.cached_len, seq.score_from if seq.score else len(seq) - 1)
         self._copies[seq.id] = ([], [])
-        self.inflight.register(seq, seq.num_computed, len(seq.prompt))
+        if seq.reuse_cache:
+            self.inflight.register(seq, seq.num_computed, len(seq.prompt))
         self.running.append(seq)
         return True
 
@@ -178,7 +180,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def _catch_up(self, seq: Sequence):
         """Take over pages others inserted since this request last looked (a score request
         computes, and keeps the logits of, every position)."""
-        if seq.score or self._seen.get(seq.id) == self.cache.versions:
+        if seq.score or not seq.reuse_cache or self._seen.get(seq.id) == self.cache.versions:
             return
         self._seen[seq.id] = self.cache.versions
         if seq.cache.extend_hits(seq.tokens):
@@ -219,7 +221,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 continue  # now a full hit: its last token is computed by a decode step
             start = seq.num_computed
             end = min(len(seq), start + budget)
-            if not seq.score:  # a score request computes every position: it keeps their logits
+            # a score request computes every position (it keeps their logits), and one that reuses
+            # no cache takes no one's pages (_preempt_one): neither waits for another's chunk
+            if not seq.score and seq.reuse_cache:
                 end = self.inflight.wait_point(seq, start, end)
             if end <= start:
                 continue  # waits for another request's chunk
@@ -235,7 +239,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             end = pieces[-1][1]
             if not self._reserve(seq, end, allow_preempt):
                 continue
-            self.inflight.register(seq, start, end)  # a leader that left: this one leads now
+            if seq.reuse_cache:  # a leader that left: this one leads now
+                self.inflight.register(seq, start, end)
             chosen += [seq] * len(pieces)
             chunks += pieces
             budget -= end - start
@@ -289,6 +294,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
         wins), `protect` itself as a last resort; that workflow is suspended whole."""
         others = [s for s in self.running if s is not protect]
         victim = max(others, key=lambda s: (s.priority, s.id)) if others else protect
+        if not others and protect.reuse_cache:
+            # alone, with a prompt that fits the pool (Admission.check_capacity): its cached path
+            # took more pages than its tokens (DualRadixCache.begin); it goes again without it
+            log.debug("request %d found no pages alone: it runs again without its cached prefix",
+                      protect.id)
+            protect.reuse_cache = False
         session = self.sessions.of(victim)
         if session is not None and session is not self.sessions.of(protect):
             self.admission.suspend(session, self.waiting)
@@ -311,8 +322,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
     # ---- chunk insertion and finish -------------------------------------------------------
 
     def chunk_done(self, seq: Sequence, end: int):
-        """A prefill chunk up to position `end` is computed: its whole pages enter the trees."""
-        if seq.status is not Status.RUNNING:
+        """A prefill chunk up to position `end` is computed: its whole pages enter the trees
+        (those of a request that reuses no cache only when it ends: it keeps its own pages)."""
+        if seq.status is not Status.RUNNING or not seq.reuse_cache:
             return
         seq.cache.commit(np.asarray(seq.tokens[:end], np.int32))
         self.inflight.inserted(seq.id, end // self.cache.page_size)

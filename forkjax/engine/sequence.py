@@ -53,8 +53,8 @@ class Sequence:
     request's fields included (`seq.prompt` is `seq.req.prompt`)."""
 
     __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
-                 "first_admitted", "cache", "fanout", "key_ns", "num_computed", "num_verified",
-                 "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
+                 "first_admitted", "cache", "reuse_cache", "fanout", "key_ns", "num_computed",
+                 "num_verified", "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
                  "params", "slot", "score", "session_id", "targets", "guide")
 
     def __init__(self, req: Request, guide=None):
@@ -72,6 +72,7 @@ class Sequence:
         self.priority = self.arrival  # its workflow's age under pressure (admission.py)
         self.first_admitted: float | None = None  # when it was first admitted
         self.cache = None  # SeqCache while running
+        self.reuse_cache = True  # False once it found no pages alone (Scheduler._preempt_one)
         self.targets = {key: name for name, key in req.fanout}  # fan-out residuals it still writes
         self.fanout: dict = {}  # {adapter slot: key} of those, from when it starts
         self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
