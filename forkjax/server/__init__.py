@@ -4,7 +4,8 @@ package but core_proc.py) and the engine-core process it spawns, which alone tou
 messages.py      the protocol between them: msgspec structs, msgpack over ZeroMQ
 core_proc.py     the engine-core process: the step loop, answering messages between steps
 core_client.py   the front end's side: spawns the core, routes its outputs, notices its death
-protocol.py      request/response bodies and OpenAI-shaped errors
+protocol.py      request bodies and OpenAI-shaped errors
+responses.py     response bodies
 protocol_tools.py  the bodies of structured outputs and tool calls
 validation.py    what every request body must be: strict types, bounds, neutral unsupported fields
 detokenizer.py   incremental token -> text with stop strings

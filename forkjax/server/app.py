@@ -21,9 +21,9 @@ from forkjax.server import messages as m
 from forkjax.server.core_client import CoreClient, CoreError, load_tokenizer
 from forkjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from forkjax.server.middleware import RequestGuard
-from forkjax.server.protocol import (
-    APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ErrorResponse, LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest, shutting_down)
+from forkjax.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                     LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, shutting_down)
+from forkjax.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 from forkjax.server.serving_chat import OpenAIServingChat
 from forkjax.server.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.server.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
-                                     PromptLogprob, TopLogprob)
+from forkjax.server.responses import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs,
+                                      PromptLogprob, TopLogprob)
 
 
 def token_text(tokenizer, token: int) -> str:

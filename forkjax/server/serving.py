@@ -20,8 +20,8 @@ from forkjax.sampling_params import SamplingParams
 from forkjax.server import messages as m
 from forkjax.server.core_client import CoreClient, CoreError
 from forkjax.server.logprobs import completion_logprobs, echoed, vllm_prompt_logprobs
-from forkjax.server.protocol import (APIError, ChatCompletionRequest, CompletionChoice,
-                                     CompletionRequest, CompletionResponse, UsageInfo)
+from forkjax.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from forkjax.server.responses import CompletionChoice, CompletionResponse, UsageInfo
 from forkjax.server.streaming import (ClientLeft, Generation, PromptOnly, client_left, gather, sse,
                                       unless_disconnected, until_disconnected)
 from forkjax.server.structured import request_grammar

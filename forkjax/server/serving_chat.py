@@ -13,9 +13,10 @@ from fastapi.responses import Response
 
 from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.logprobs import chat_logprobs
-from forkjax.server.protocol import (APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                     ChatCompletionResponse, ChatDelta, ChatResponseMessage,
-                                     ChatStreamChoice, UsageInfo)
+from forkjax.server.protocol import APIError, ChatCompletionRequest
+from forkjax.server.protocol_tools import ChatDelta
+from forkjax.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                      ChatResponseMessage, ChatStreamChoice, UsageInfo)
 from forkjax.server.serving import OpenAIServing
 from forkjax.server.streaming import gather, sse, unless_disconnected
 from forkjax.server.structured import request_grammar
