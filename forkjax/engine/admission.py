@@ -35,7 +35,9 @@
   in would only make the admitted ones evict each other.
 
 With nothing running, a candidate that fits in the whole pool is always admitted: holds never
-deadlock the engine.
+deadlock the engine. Nor does its own hit: a cached path can take a page more than its tokens at
+each fork inside a page, and a request that then finds no pages alone runs again without it
+(`Scheduler._preempt_one`).
 """
 
 from __future__ import annotations
