@@ -127,6 +127,7 @@ from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.react import TOOL_FORMATS
 from forkjax.workflows.report import summary_line, write_json, write_summary
+from forkjax.workflows.routing import ROUTES
 from forkjax.workflows.runners import InProcess, OverHttp, OverRouter
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
@@ -159,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls do not tell the engine their workflow's final length (session_tokens)")
     p.add_argument("--replay", action="store_true", help="model-free: the real scheduler and cache "
                    "at the model's geometry, a virtual clock and H200 step costs (replay.py)")
+    p.add_argument("--replicas", type=int, default=None, help="with --replay: N replicas, each with "
+                   "the pools of one, behind a router on one virtual clock (workflows/replicas.py)")
+    p.add_argument("--route", default=None, choices=ROUTES, help="with --replicas: the router's "
+                   "policy, SMG's (workflows/routing.py): the workflow id hashed (default), cache_aware, "
+                   "round_robin")
     p.add_argument("--policy", default="forkkv", help=f"one or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--residual-fanout", action="store_true", help="run every forkkv as forkkv+fanout")
     p.add_argument("--residual-fraction", type=float, default=None,
@@ -247,6 +253,11 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
     if args.tool_format != "text" and (args.pattern != "react" or args.replay):
         raise ValueError(f"--tool-format {args.tool_format}: for --pattern react, in an engine "
                          "(not with --replay)")
+    if args.replicas is not None and (not args.replay or args.step_log or args.replicas < 1):
+        raise ValueError(f"--replicas={args.replicas}: >= 1, with --replay and without --step-log")
+    if args.route and args.replicas is None:
+        raise ValueError(f"--route {args.route}: routes requests over --replicas, which is not given")
+    args.route = args.route or ("hash" if args.replicas else None)
     if args.replay and args.tensor_parallel_size != 1:
         raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
     if remote and args.compile_workers is not None:
@@ -341,6 +352,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
                                      fanout=policy == "forkkv+fanout")
     prompt = stats["prompt_tokens"]
     computed = stats.get("prefill_tokens_computed")
+    per_replica = {"per_replica": stats["per_replica"]} if "per_replica" in stats else {}
     return {**result.summary(), "policy": policy, "workflows": n, "total": total, "wall_s": wall_s,
             "session_hints": args.session_hints,
             "max_batch_size": max_batch_size,
@@ -352,7 +364,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
                                          "preemptions", "workflows_suspended", "guided_sync_steps", *HOST_KEYS,
-                                         *LORA_KEYS)}, **steps}
+                                         *LORA_KEYS)}, **steps, **per_replica}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -404,7 +416,8 @@ def in_process(args, policy: str, counts, names, cfg, max_model_len, profile, to
         runner = InProcess(engine, policy == "forkkv+fanout", args.session_hints)
     kv = per_agent_kv(runner, args, policy, names, profile, tokens)  # the same at every n
     for n in counts:
-        point = run_point(runner, args, policy, n, profile, tokens, page_size=engine.cache.page_size,
+        one = engine.replicas[0] if args.replicas else engine
+        point = run_point(runner, args, policy, n, profile, tokens, page_size=one.cache.page_size,
                           max_batch_size=engine.scheduler.max_batch_size)
         yield {**point, "per_agent_kv_bytes": kv, **build, "server_start_s": None}
 
