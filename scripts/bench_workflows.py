@@ -31,6 +31,10 @@ per policy.
     PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --sweep 16,32 \\
         --total 3x --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 \\
         --gen 64 --obs 64 --out /tmp/replay
+    # The same at 4 replicas (32 workflows each) behind SMG's cache_aware
+    PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --workflows 128 \\
+        --total 3x --policy forkkv+fanout --replicas 4 --route cache_aware --context 4096 \\
+        --gen 64 --obs 64 --out /tmp/replay-4
     # ReAct actions as JSON tool calls under constrained decoding (a model with a tokenizer):
     # the results' guided_sync_steps counts the steps that waited for a token in flight
     PYTHONPATH=. python3 scripts/bench_workflows.py --model smollm2-135m --pattern react \\
@@ -68,6 +72,12 @@ forkjax/workflows/minimal.py), `recompute_ratio` = prefill_tokens_computed / tha
 scheduler and cache at the model's full geometry with no weights, on a virtual clock whose steps
 cost what H200 measurements say (with --host-kv-bytes, the host tier's copies too); its results
 say `"replay": true` and carry the cost model's constants (`step_cost`). Its times (tasks/s, latencies) are modelled seconds; `wall_s` is real.
+With --replicas N the replay runs N such engines, each with the pools of one, behind a router
+(--route: the workflow's id hashed as SMG's consistent_hashing does, SMG's cache_aware over token
+ids, or round robin; forkjax/workflows/routing.py) on one virtual clock, the replicas' steps in
+parallel (forkjax/workflows/replicas.py). --workflows counts the slots of all replicas; counters
+add up the replicas', and `per_replica` holds each one's (prompt and hit tokens, prefill,
+requests, busy seconds).
 
 One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
 before each run); its warm-up compiles every shape: `compile_s` is that warm-up's time, split in
@@ -95,7 +105,9 @@ workflows' peak run from the server's start, which nothing resets, hence a serve
 --router URL drives a running `python -m forkjax.cluster` instead (several servers behind SMG,
 started with the cache policy of --policy and flags of the user's choice, e.g. those
 workflow_engines.server_flags gives): the agents are loaded into every worker, each workflow's
-calls carry its id as the routing key, and a run's counters add up every worker's.
+calls carry its id as the routing key, and a run's counters add up every worker's. A cluster
+started with --api-key K wants OPENAI_API_KEY=K in the environment (the openai client's
+variable; not a flag, which results.json's `command` would record).
 `server_start_s` is launch to ready (weights and warm-up, the server's compilation cache
 included); `build_s`, `compile_s` and `compile_breakdown` are null (in-process runs: null
 `server_start_s`). Not with --replay, --step-log, --compile-workers nor --distinct-agents.
@@ -452,13 +464,15 @@ def over_router(args, policy: str, counts, names, cfg, max_model_len, profile, t
     import httpx
 
     from forkjax.lora.peft import save_peft_adapter
-    runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints)
+    runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints,
+                        os.environ.get("OPENAI_API_KEY"))
     root = os.path.join(os.path.abspath(args.out), "agents")
     for name, adapter in agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared").items():
         path = save_peft_adapter(adapter, os.path.join(root, name))
         for w in runner.workers:
             httpx.post(f"{w}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
-                                                          "load_inplace": True}, timeout=600).raise_for_status()
+                                                          "load_inplace": True},
+                       headers=runner.headers, timeout=600).raise_for_status()
     kv = None
     for n in counts:
         point = run_point(runner, args, policy, n, profile, tokens, page_size=PAGE_SIZE,
