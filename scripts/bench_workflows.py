@@ -266,7 +266,8 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
         raise ValueError(f"--tool-format {args.tool_format}: for --pattern react, in an engine "
                          "(not with --replay)")
     if args.replicas is not None and (not args.replay or args.step_log or args.replicas < 1):
-        raise ValueError(f"--replicas={args.replicas}: >= 1, with --replay and without --step-log")
+        raise ValueError(f"--replicas={args.replicas}: expected >= 1, with --replay and without "
+                         "--step-log")
     if args.route and args.replicas is None:
         raise ValueError(f"--route {args.route}: routes requests over --replicas, which is not given")
     args.route = args.route or ("hash" if args.replicas else None)

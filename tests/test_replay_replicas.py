@@ -86,7 +86,8 @@ def test_cache_aware_routes_to_the_least_loaded_when_load_is_imbalanced():
 def test_bench_replicas_flags(tmp_path):
     flags = ["--replay", "--model", MODEL, "--pattern", "react", "--workflows", "4", "--context", "128",
              "--gen", "4", "--obs", "4", "--rounds", "2"]
-    rows = bench_workflows().main([*flags, "--replicas", "2", "--route", "round_robin", "--out", str(tmp_path)])
+    rows = bench_workflows().main([*flags, "--replicas", "2", "--route", "round_robin",
+                                   "--out", str(tmp_path)])
     row = rows[0]
     assert row["replicas"] == 2 and row["route"] == "round_robin" and len(row["per_replica"]) == 2
     assert sum(p["prompt_tokens"] for p in row["per_replica"]) == row["prompt_tokens"]

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from forkjax.engine.sequence import Sequence, Status
-from forkjax.workflows.replay import IDLE_S, VirtualClock
+from forkjax.workflows.replay import IDLE_S, ReplayEngine, VirtualClock
 from forkjax.workflows.routing import make_router
 
-# Counters that add up over replicas (ReplayEngine.stats); the rates are recomputed from them.
+# Hit rates, recomputed from the summed counters they divide by the summed prompt tokens.
 RATES = {"base_hit_rate": "base_hit_tokens", "residual_hit_rate": "residual_hit_tokens"}
 PER_REPLICA = ("prompt_tokens", "base_hit_tokens", "residual_hit_tokens", "prefill_tokens_computed",
                "decode_batch_size_mean", "preemptions", "workflows_suspended")
@@ -45,7 +45,7 @@ class ReplicaSet:
     """`n` replicas built by `make_replica(i)` (a ReplayEngine each) behind the router `route`
     (routing.ROUTES); a request's routing key is its session id (the workflow's)."""
 
-    def __init__(self, make_replica: Callable[[int], object], n: int, route: str = "hash"):
+    def __init__(self, make_replica: Callable[[int], ReplayEngine], n: int, route: str = "hash"):
         if n < 1:
             raise ValueError(f"replicas={n}: expected >= 1")
         self.replicas = [make_replica(i) for i in range(n)]
@@ -104,8 +104,8 @@ class ReplicaSet:
         return ran
 
     def stats(self) -> dict:
-        """The replicas' stats added up (decode batch mean weighted by decode steps, the
-        workflows' peak the sum of theirs, hit rates over the summed prompt tokens), and
+        """The replicas' stats added up (loaded adapters and pool sizes too; the decode batch
+        mean weighted by decode steps, hit rates over the summed prompt tokens), and
         `per_replica`: each one's PER_REPLICA counters, requests and busy seconds."""
         each = [r.stats() for r in self.replicas]
         out = {k: _add([s[k] for s in each]) for k in each[0]}

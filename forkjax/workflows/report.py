@@ -10,8 +10,8 @@ import os
 from forkjax.workflows.plots import plot_breakdown, plot_throughput
 
 # summary.csv's columns; results.json holds every key of a point
-SUMMARY = ("policy", "replicas", "route", "workflows", "total", "max_batch_size", "session_hints", "tasks_per_s",
-           "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
+SUMMARY = ("policy", "replicas", "route", "workflows", "total", "max_batch_size", "session_hints",
+           "tasks_per_s", "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
            "base_hit_rate", "residual_hit_rate", "decode_batch_size_mean", "workflows_running_peak",
            "prefill_tokens_computed", "prefill_tokens_minimal", "recompute_ratio", "preemptions",
            "latency_p50_s", "compile_s", "build_s", "server_start_s", "wall_s")

@@ -14,7 +14,9 @@ model_gateway/src/policies/), for the model-free replay of several replicas (rep
   (PAGE tokens, a page a node keyed by the hash of the prefix up to it), and its eviction by
   tree size is left out (its default bound, 2^26 nodes, is not reached by these runs). Among
   replicas that share the longest match, the one sent it last.
-* `round_robin`: the next replica in turn.
+* `round_robin`: the next replica in turn, one counter over every request (SMG's).
+
+A request without a routing key hashes as the empty key (SMG would pick at random).
 """
 
 from __future__ import annotations
