@@ -31,6 +31,10 @@ per policy.
     PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --sweep 16,32 \\
         --total 3x --policy prefix,full_reuse,forkkv,lrshared,forkkv+fanout --context 4096 \\
         --gen 64 --obs 64 --out /tmp/replay
+    # The same at 4 replicas (32 workflows each) behind SMG's cache_aware
+    PYTHONPATH=. python scripts/bench_workflows.py --replay --pattern react --workflows 128 \\
+        --total 3x --policy forkkv+fanout --replicas 4 --route cache_aware --context 4096 \\
+        --gen 64 --obs 64 --out /tmp/replay-4
     # ReAct actions as JSON tool calls under constrained decoding (a model with a tokenizer):
     # the results' guided_sync_steps counts the steps that waited for a token in flight
     PYTHONPATH=. python3 scripts/bench_workflows.py --model smollm2-135m --pattern react \\
@@ -68,6 +72,12 @@ forkjax/workflows/minimal.py), `recompute_ratio` = prefill_tokens_computed / tha
 scheduler and cache at the model's full geometry with no weights, on a virtual clock whose steps
 cost what H200 measurements say (with --host-kv-bytes, the host tier's copies too); its results
 say `"replay": true` and carry the cost model's constants (`step_cost`). Its times (tasks/s, latencies) are modelled seconds; `wall_s` is real.
+With --replicas N the replay runs N such engines, each with the pools of one, behind a router
+(--route: the workflow's id hashed as SMG's consistent_hashing does, SMG's cache_aware over token
+ids, or round robin; forkjax/workflows/routing.py) on one virtual clock, the replicas' steps in
+parallel (forkjax/workflows/replicas.py). --workflows counts the slots of all replicas; counters
+add up the replicas', and `per_replica` holds each one's (prompt and hit tokens, prefill,
+requests, busy seconds).
 
 One engine per policy, reused for every workflow count (`flush_cache()` and `reset_stats()`
 before each run); its warm-up compiles every shape: `compile_s` is that warm-up's time, split in
@@ -95,7 +105,9 @@ workflows' peak run from the server's start, which nothing resets, hence a serve
 --router URL drives a running `python -m forkjax.cluster` instead (several servers behind SMG,
 started with the cache policy of --policy and flags of the user's choice, e.g. those
 workflow_engines.server_flags gives): the agents are loaded into every worker, each workflow's
-calls carry its id as the routing key, and a run's counters add up every worker's.
+calls carry its id as the routing key, and a run's counters add up every worker's. A cluster
+started with --api-key K wants OPENAI_API_KEY=K in the environment (the openai client's
+variable; not a flag, which results.json's `command` would record).
 `server_start_s` is launch to ready (weights and warm-up, the server's compilation cache
 included); `build_s`, `compile_s` and `compile_breakdown` are null (in-process runs: null
 `server_start_s`). Not with --replay, --step-log, --compile-workers nor --distinct-agents.
@@ -127,6 +139,7 @@ from forkjax.workflows.agents import agent_adapters
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.react import TOOL_FORMATS
 from forkjax.workflows.report import summary_line, write_json, write_summary
+from forkjax.workflows.routing import ROUTES
 from forkjax.workflows.runners import InProcess, OverHttp, OverRouter
 from provenance import run_info  # scripts/ is on sys.path when this script runs
 from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
@@ -159,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls do not tell the engine their workflow's final length (session_tokens)")
     p.add_argument("--replay", action="store_true", help="model-free: the real scheduler and cache "
                    "at the model's geometry, a virtual clock and H200 step costs (replay.py)")
+    p.add_argument("--replicas", type=int, default=None, help="with --replay: N replicas, each with "
+                   "the pools of one, behind a router on one virtual clock (workflows/replicas.py)")
+    p.add_argument("--route", default=None, choices=ROUTES, help="with --replicas: the router's "
+                   "policy, SMG's (workflows/routing.py): the workflow id hashed (default), cache_aware, "
+                   "round_robin")
     p.add_argument("--policy", default="forkkv", help=f"one or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--residual-fanout", action="store_true", help="run every forkkv as forkkv+fanout")
     p.add_argument("--residual-fraction", type=float, default=None,
@@ -247,6 +265,12 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
     if args.tool_format != "text" and (args.pattern != "react" or args.replay):
         raise ValueError(f"--tool-format {args.tool_format}: for --pattern react, in an engine "
                          "(not with --replay)")
+    if args.replicas is not None and (not args.replay or args.step_log or args.replicas < 1):
+        raise ValueError(f"--replicas={args.replicas}: expected >= 1, with --replay and without "
+                         "--step-log")
+    if args.route and args.replicas is None:
+        raise ValueError(f"--route {args.route}: routes requests over --replicas, which is not given")
+    args.route = args.route or ("hash" if args.replicas else None)
     if args.replay and args.tensor_parallel_size != 1:
         raise ValueError("--replay prices one device's steps: leave --tensor-parallel-size at 1")
     if remote and args.compile_workers is not None:
@@ -341,6 +365,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
                                      fanout=policy == "forkkv+fanout")
     prompt = stats["prompt_tokens"]
     computed = stats.get("prefill_tokens_computed")
+    per_replica = {"per_replica": stats["per_replica"]} if "per_replica" in stats else {}
     return {**result.summary(), "policy": policy, "workflows": n, "total": total, "wall_s": wall_s,
             "session_hints": args.session_hints,
             "max_batch_size": max_batch_size,
@@ -352,7 +377,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
                                          "preemptions", "workflows_suspended", "guided_sync_steps", *HOST_KEYS,
-                                         *LORA_KEYS)}, **steps}
+                                         *LORA_KEYS)}, **steps, **per_replica}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -404,7 +429,8 @@ def in_process(args, policy: str, counts, names, cfg, max_model_len, profile, to
         runner = InProcess(engine, policy == "forkkv+fanout", args.session_hints)
     kv = per_agent_kv(runner, args, policy, names, profile, tokens)  # the same at every n
     for n in counts:
-        point = run_point(runner, args, policy, n, profile, tokens, page_size=engine.cache.page_size,
+        one = engine.replicas[0] if args.replicas else engine
+        point = run_point(runner, args, policy, n, profile, tokens, page_size=one.cache.page_size,
                           max_batch_size=engine.scheduler.max_batch_size)
         yield {**point, "per_agent_kv_bytes": kv, **build, "server_start_s": None}
 
@@ -439,13 +465,15 @@ def over_router(args, policy: str, counts, names, cfg, max_model_len, profile, t
     import httpx
 
     from forkjax.lora.peft import save_peft_adapter
-    runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints)
+    runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints,
+                        os.environ.get("OPENAI_API_KEY"))
     root = os.path.join(os.path.abspath(args.out), "agents")
     for name, adapter in agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared").items():
         path = save_peft_adapter(adapter, os.path.join(root, name))
         for w in runner.workers:
             httpx.post(f"{w}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
-                                                          "load_inplace": True}, timeout=600).raise_for_status()
+                                                          "load_inplace": True},
+                       headers=runner.headers, timeout=600).raise_for_status()
     kv = None
     for n in counts:
         point = run_point(runner, args, policy, n, profile, tokens, page_size=PAGE_SIZE,

@@ -94,14 +94,19 @@ def residual_sizing(args, policy: str) -> dict:
 
 
 def build_replay(args, policy: str, names: list[str], max_model_len: int):
-    """-> (ReplayEngine for `policy` over the agents `names`, its build record)."""
+    """-> (ReplayEngine for `policy` over the agents `names`, or with --replicas a ReplicaSet of
+    them behind --route, its build record)."""
     from forkjax.workflows.replay import ReplayEngine
+    from forkjax.workflows.replicas import ReplicaSet
     t = time.perf_counter()
-    engine = ReplayEngine(args.model, names, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
-                          residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
-                          max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
-                          max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
-                          **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
-                          host_kv_bytes=args.host_kv_bytes, max_loras=args.max_loras, seed=args.seed)
+
+    def replica(i: int = 0) -> ReplayEngine:
+        return ReplayEngine(args.model, names, cache_policy="forkkv" if policy == "forkkv+fanout" else policy,
+                            residual_fanout=policy == "forkkv+fanout", kv_cache_bytes=args.kv_cache_bytes,
+                            max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
+                            max_model_len=max_model_len, rank=args.rank, dtype=args.dtype,
+                            **residual_sizing(args, policy), schedule_policy=args.schedule_policy,
+                            host_kv_bytes=args.host_kv_bytes, max_loras=args.max_loras, seed=args.seed + i)
+    engine = replica() if args.replicas is None else ReplicaSet(replica, args.replicas, args.route)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=0.0, compile_breakdown={},
                         **engine.describe())

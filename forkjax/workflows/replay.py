@@ -244,6 +244,17 @@ class ReplayEngine:
 
     def step(self) -> list[Sequence]:
         """One synchronous step: the requests it ran (finished ones included)."""
+        launched = self.launch()
+        if launched is None:
+            return []
+        batch, dt = launched
+        self.clock.t += dt
+        return self.finish(batch)
+
+    def launch(self):
+        """Schedule a batch at the clock's time and launch it -> (batch, its modelled seconds),
+        the clock left at its start; None when nothing can run (the clock moves IDLE_S, the
+        loop's poll)."""
         batch = self.scheduler.schedule(allow_preempt=True)
         if batch is None:
             if self._idle_since is None:
@@ -252,7 +263,7 @@ class ReplayEngine:
                 raise RuntimeError(f"{len(self.scheduler.waiting)} requests waited "
                                    f"{MAX_IDLE_S:.0f} s with nothing running")
             self.clock.t += IDLE_S
-            return []
+            return None
         self._idle_since = None
         self.metrics.launched(batch, self.clock.t)
         self.metrics.time("steps", 1)
@@ -262,7 +273,11 @@ class ReplayEngine:
         dt = self.cost.step_s(batch) + SWAP_S * len(writes) + self.cost.copy_s(
             [c for host in self.cache.host_pools if host is not None for c in host.drop_queue()])
         self.metrics.time("device_s", dt)
-        self.clock.t += dt
+        return batch, dt
+
+    def finish(self, batch) -> list[Sequence]:
+        """Take in the outputs of `launch`'s `batch` at the clock's time (its end): the requests
+        it ran."""
         self.metrics.fetched(batch, self.clock.t)
         n = len(batch.seqs)
         out = Fetched(tokens=self.rng.integers(0, MAX_RANDOM_ID, n).astype(np.int32),

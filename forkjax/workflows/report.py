@@ -10,8 +10,8 @@ import os
 from forkjax.workflows.plots import plot_breakdown, plot_throughput
 
 # summary.csv's columns; results.json holds every key of a point
-SUMMARY = ("policy", "workflows", "total", "max_batch_size", "session_hints", "tasks_per_s",
-           "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
+SUMMARY = ("policy", "replicas", "route", "workflows", "total", "max_batch_size", "session_hints",
+           "tasks_per_s", "tasks_per_s_steady", "tasks_per_s_sustained", "tokens_per_s", "per_agent_kv_bytes",
            "base_hit_rate", "residual_hit_rate", "decode_batch_size_mean", "workflows_running_peak",
            "prefill_tokens_computed", "prefill_tokens_minimal", "recompute_ratio", "preemptions",
            "latency_p50_s", "compile_s", "build_s", "server_start_s", "wall_s")
@@ -24,7 +24,8 @@ def summary_line(row: dict) -> str:
     start = (f"server start {row['server_start_s']:.1f} s" if row.get("server_start_s") is not None
              else f"compile {row['compile_s']:.1f} s {row['compile_breakdown']}" if row.get("compile_s") is not None
              else f"{row.get('replicas')} running replicas")  # --router: a cluster started beforehand
-    return (f"{'replay ' if row.get('replay') else ''}{row['pattern']} {row['policy']} "
+    replicas = f"{row['replicas']} replicas ({row['route']}) " if row.get("route") else ""
+    return (f"{'replay ' if row.get('replay') else ''}{replicas}{row['pattern']} {row['policy']} "
             f"x{row['workflows']} ({row['total']} in all): {row['tasks_per_s']:.3f} tasks/s, steady "
             f"{f('tasks_per_s_steady', '.3f')}, sustained {f('tasks_per_s_sustained', '.3f')}, "
             f"{row['tokens_per_s']:.1f} tok/s, KV/agent {row['per_agent_kv_bytes'] / 2**20:.2f} MiB, "

@@ -58,18 +58,23 @@ class OverRouter:
     """Runs workflows through a gateway in front of several servers (`python -m forkjax.cluster`,
     at `url`): each workflow's calls carry its routing key, and a run's stats add up every
     worker's /metrics differences (http_driver.stats_across). The workers are the ones the
-    gateway lists (SMG's GET /workers); the base model's name is the first of its /v1/models."""
+    gateway lists (SMG's GET /workers); the base model's name is the first of its /v1/models.
+    `api_key`: the cluster's (`--api-key`, which guards the gateway and every worker alike), sent
+    as `Authorization: Bearer` (`headers`) on every call but /metrics, which no key guards."""
 
-    def __init__(self, url: str, fanout: bool, session_hints: bool = True):
+    def __init__(self, url: str, fanout: bool, session_hints: bool = True, api_key: str | None = None):
         import httpx
         self.url, self.fanout, self.session_hints = url.rstrip("/"), fanout, session_hints
-        self.workers = [w["url"] for w in httpx.get(f"{self.url}/workers", timeout=30).json()["workers"]]
-        self.base_model = httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        get = lambda path: httpx.get(f"{self.url}{path}", headers=self.headers, timeout=30)  # noqa: E731
+        self.workers = [w["url"] for w in get("/workers").raise_for_status().json()["workers"]]
+        self.base_model = get("/v1/models").raise_for_status().json()["data"][0]["id"]
 
     def fresh(self):
         import httpx
         for w in self.workers:
-            httpx.post(f"{w}/flush_cache", timeout=600).raise_for_status()
+            httpx.post(f"{w}/flush_cache", headers=self.headers, timeout=600).raise_for_status()
 
     def run(self, workflows, desc: str):
         from forkjax.workflows.http_driver import run_http, scrape, stats_across
@@ -77,6 +82,6 @@ class OverRouter:
         async def go():
             before = [await scrape(w) for w in self.workers]
             result = await run_http(self.url, workflows, fanout=self.fanout, session_hints=self.session_hints,
-                                    desc=desc, base_model=self.base_model)
+                                    api_key=self.api_key or "EMPTY", desc=desc, base_model=self.base_model)
             return result, stats_across(before, [await scrape(w) for w in self.workers])
         return asyncio.run(go())
