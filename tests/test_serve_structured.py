@@ -266,3 +266,20 @@ def test_continue_final_message_continues_the_assistant_text(server):
                                                "max_tokens": 6, "temperature": 0})
     assert c["choices"][0]["message"]["content"] == r.json()["choices"][0]["text"]
     assert c["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+
+
+def test_tokenize_counts_the_prompt_a_chat_with_tools_sends(server):
+    """/tokenize renders messages and tools as /v1/chat/completions does: the same count as the
+    chat's prompt_tokens, more than without the tools; tools go with messages only."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "Let me"}]
+    with server.http() as http:
+        for extra in ({}, {"tools": [NOW]}, {"tools": [NOW], "continue_final_message": True,
+                                             "add_generation_prompt": False}):
+            counted = http.post("/tokenize", json={"messages": messages, **extra}).json()["count"]
+            chat = _chat(http, messages=messages, max_tokens=1, **extra)
+            assert chat["usage"]["prompt_tokens"] == counted, extra
+        bare = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        assert counted > bare
+        r = http.post("/tokenize", json={"prompt": "hi", "tools": [NOW]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

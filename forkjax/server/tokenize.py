@@ -7,6 +7,7 @@ from pydantic import BaseModel, Field
 
 from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.protocol import APIError, ChatMessage
+from forkjax.server.protocol_tools import MAX_TOOLS, ChatTool
 from forkjax.server.validation import StrictBody
 
 MAX_TOKENS = 1 << 20  # a body of 8 MB holds about this many ids
@@ -18,6 +19,9 @@ class TokenizeRequest(StrictBody):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = Field(True, description="prompt: prepend the BOS token")
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS,
+                                         description="messages: rendered as a chat completion does")
 
 
 class TokenizeResponse(BaseModel):
@@ -38,13 +42,17 @@ class DetokenizeResponse(BaseModel):
 def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+    if req.prompt is not None and (req.tools or req.continue_final_message):
+        raise APIError(400, "tools and continue_final_message go with messages", param="prompt")
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer", param="model")
     try:
         if req.prompt is not None:
             ids = tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
         else:
-            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
+            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
+                                  req.continue_final_message)
     except Exception as e:  # whatever the tokenizer or the template refuses came with the request
         raise APIError(400, f"cannot tokenize: {e}",
                        param="prompt" if req.prompt is not None else "messages") from None
