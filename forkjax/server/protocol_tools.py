@@ -57,6 +57,11 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict] | None:
+    """A request's tools as OpenAI sends them, for the chat template (None when it has none)."""
+    return [t.model_dump(exclude_none=True) for t in tools or ()] or None
+
+
 class NamedFunction(BaseModel):
     model_config = ConfigDict(strict=True)
     name: str

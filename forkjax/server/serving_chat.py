@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.logprobs import chat_logprobs
 from forkjax.server.protocol import APIError, ChatCompletionRequest
-from forkjax.server.protocol_tools import ChatDelta
+from forkjax.server.protocol_tools import ChatDelta, tool_dicts
 from forkjax.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatResponseMessage, ChatStreamChoice, UsageInfo)
 from forkjax.server.serving import OpenAIServing
@@ -31,10 +31,9 @@ def _finish_reason(reason: str | None, parser) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         adapter = self.adapter_for(req.model)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
         try:
-            prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt, tools,
-                                     req.continue_final_message)
+            prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt,
+                                     tool_dicts(req.tools), req.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         guided = request_grammar(req, tool_grammar(req))

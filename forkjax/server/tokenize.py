@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 
 from forkjax.server.chat_template import chat_prompt_ids
 from forkjax.server.protocol import APIError, ChatMessage
-from forkjax.server.protocol_tools import MAX_TOOLS, ChatTool
+from forkjax.server.protocol_tools import MAX_TOOLS, ChatTool, tool_dicts
 from forkjax.server.validation import StrictBody
 
 MAX_TOKENS = 1 << 20  # a body of 8 MB holds about this many ids
@@ -50,9 +50,8 @@ def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> TokenizeRes
         if req.prompt is not None:
             ids = tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
         else:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools or ()] or None
-            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, tools,
-                                  req.continue_final_message)
+            ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt,
+                                  tool_dicts(req.tools), req.continue_final_message)
     except Exception as e:  # whatever the tokenizer or the template refuses came with the request
         raise APIError(400, f"cannot tokenize: {e}",
                        param="prompt" if req.prompt is not None else "messages") from None
