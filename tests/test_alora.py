@@ -134,3 +134,30 @@ def test_a_prompt_without_its_invocation_is_refused(alora_suite):
     with pytest.raises(InvalidArgument, match=r"'inv1'.*\[5, 6, 7\]") as e:
         engine.add_request(_prompt(3, 20, engine.model_cfg.vocab_size), "inv1")
     assert e.value.param == "prompt" and not engine.scheduler.has_work
+
+
+def test_host_tier_salts_and_sessions_keep_the_sharing_exact(alora_suite):
+    """The base model's pages of a context, pushed to the host, come back for an aLoRA agent of
+    the same salt (a session's turn), never for one of another salt; outputs are the agent's
+    alone."""
+    base, adapters = alora_suite["llama"]
+    engine = _engine(base, adapters, "forkkv", host_kv_bytes=16 << 20)
+    alone = _engine(base, adapters, "forkkv")
+    vocab = engine.model_cfg.vocab_size
+    prefix, tail = _prompt(11, 64, vocab), INVOCATIONS["inv1"] + _prompt(12, 6, vocab)
+    want = alone.generate([prefix + tail], adapters=["inv1"], max_new_tokens=5, ignore_eos=True)
+    engine.generate([prefix + INVOCATIONS["inv2"]], adapters=["inv2"], max_new_tokens=3,
+                    cache_salt="team-a", session_id="w")
+    assert engine.cache.evict(1 << 20) > 0
+    computed = engine.stats()["prefill_tokens_computed"]
+    out = engine.generate([prefix + tail], adapters=["inv1"], max_new_tokens=5, ignore_eos=True,
+                          cache_salt="team-b")
+    assert out == want and engine.stats()["host_hit_tokens"] == 0
+    assert engine.stats()["prefill_tokens_computed"] - computed == len(prefix + tail)
+    computed = engine.stats()["prefill_tokens_computed"]
+    out = engine.generate([prefix + tail], adapters=["inv1"], max_new_tokens=5, ignore_eos=True,
+                          cache_salt="team-a", session_id="w2")
+    s = engine.stats()
+    assert s["prefill_tokens_computed"] - computed == len(tail), s
+    assert out == want and s["host_hit_tokens"] >= len(prefix), s
+    engine.cache.check()
