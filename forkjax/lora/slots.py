@@ -75,6 +75,7 @@ class AdapterSlots:
 
     def invocation_of(self, name: str | None) -> tuple[int, ...] | None:
         """An Activated LoRA adapter's invocation tokens; None for a plain one or the base model."""
+        self.check(name)
         return None if name is None else self.by_name[name].invocation_tokens
 
     def slot_of(self, name: str | None) -> int | None:
