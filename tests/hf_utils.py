@@ -66,11 +66,13 @@ def make_base(kind: str, out_dir: str, seed: int = 0, max_shard_size=None) -> st
     return out_dir
 
 
-def make_adapter(base_dir: str, out_dir: str, r, alpha, rslora, targets, seed: int) -> str:
+def make_adapter(base_dir: str, out_dir: str, r, alpha, rslora, targets, seed: int, **config) -> str:
+    """A PEFT LoRA directory of random weights (`config`: more LoraConfig fields, e.g.
+    alora_invocation_tokens)."""
     import peft
     model = load_hf(base_dir, torch.float32)
     cfg = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                          init_lora_weights=False, lora_dropout=0.0)
+                          init_lora_weights=False, lora_dropout=0.0, **config)
     pm = peft.get_peft_model(model, cfg)
     torch.manual_seed(seed)
     _rerandomise_lora(pm, seed)

@@ -119,8 +119,9 @@ def sse_events(lines) -> list:
 
 
 def write_peft(path: Path, *, r=8, alpha=16, targets=("q_proj", "v_proj"), hidden=128, kv=64,
-               layers=4, seed=0) -> Path:
-    """A PEFT LoRA directory for tiny-llama's shapes (other `hidden` -> another base model)."""
+               layers=4, seed=0, **config) -> Path:
+    """A PEFT LoRA directory for tiny-llama's shapes (other `hidden` -> another base model);
+    `config`: more adapter_config.json fields."""
     shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
               "o_proj": (hidden, hidden)}
     rng = np.random.default_rng(seed)
@@ -135,7 +136,7 @@ def write_peft(path: Path, *, r=8, alpha=16, targets=("q_proj", "v_proj"), hidde
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets)}))
+        {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets), **config}))
     return path
 
 

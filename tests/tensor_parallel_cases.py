@@ -57,6 +57,28 @@ def test_tp2_equals_one_device(policy, fanout):
     assert rel_err(logits2, logits1) < 1e-5
 
 
+def test_tp2_equals_one_device_for_activated_lora():
+    """aLoRA agents on a context the base model wrote, beside a plain agent, under forkkv (their
+    LoRA K/V folded into the base pool)."""
+    from forkjax.models.builtin import random_adapter
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS["tiny-llama"])
+    adapters = {"plain": random_adapter("plain", cfg, 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1)}
+    for i, inv in enumerate([(5, 6, 7), (9, 9, 11)]):
+        name = f"alora{i}"
+        adapters[name] = dataclasses.replace(random_adapter(name, cfg, 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=2 + i),
+                                             invocation_tokens=inv)
+    context = _prompt(1, 70, vocab=250)
+    prompts = [context + [5, 6, 7] + _prompt(2, 9), context + [9, 9, 11] + _prompt(3, 5),
+               context + _prompt(4, 9)]
+    runs = []
+    for tp in (1, 2):
+        engine = forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, cache_policy="forkkv",
+                                                tensor_parallel_size=tp, **TINY)
+        engine.generate([context], max_new_tokens=2)
+        runs.append(engine.generate(prompts, adapters=["alora0", "alora1", "plain"], max_new_tokens=6))
+    assert runs[0] == runs[1]
+
+
 def test_tp2_params_and_pools_are_split():
     engine = forkjax.Engine.from_pretrained("tiny-llama", cache_policy="forkkv", tensor_parallel_size=2, **TINY)
     model, pools = engine.model, engine.runner.pools

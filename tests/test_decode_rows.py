@@ -24,6 +24,7 @@ class _Request:
         self.id, self.rng, self.free = rid, rng, free
         self.pos = int(rng.integers(0, 20))
         self.adapter = int(rng.integers(0, SLOTS))
+        self.lora_start = -1 if rng.random() < 0.7 else int(rng.integers(0, self.pos + 1))
         self.residual = rng.random() < 0.7
         self.cached = self.pos + int(rng.random() < 0.3)  # its first position may be cached
         self.fan = {2: int(rng.integers(1, 64))} if rng.random() < 0.2 else {}
@@ -49,7 +50,7 @@ class _Request:
         return BatchRow(self.pos, self.pos + 1, [token], prev_row, [self.slot(self.base)],
                         [self.slot(self.res)], {a: [s] for a, s in self.fan.items()},
                         np.asarray(self.base, np.int32), np.asarray(self.res, np.int32),
-                        self.adapter, self.params, self.pos)
+                        self.adapter, self.lora_start, self.params, self.pos)
 
 
 def test_rows_kept_across_steps_pack_as_rows_rebuilt_every_step():

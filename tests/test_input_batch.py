@@ -25,7 +25,7 @@ def _rows(rng, n, chunk, fan_slots=(), w=6):
             rng.integers(0, 64, length).astype(np.int32),
             {s: rng.integers(0, 64, length).astype(np.int32) for s in fan_slots},
             rng.permutation(40)[:pages].astype(np.int32), rng.permutation(40)[:pages].astype(np.int32),
-            int(rng.integers(0, 4)), SamplingParams(), 0))
+            int(rng.integers(0, 4)), int(rng.integers(-1, 40)), SamplingParams(), 0))
     return sorted(rows, key=lambda r: r.adapter_slot)
 
 
@@ -33,7 +33,7 @@ def _expected(rows, layout):
     """Each field as the step program must see it, filled row by row."""
     b, c, t = layout.b, layout.c, layout.b * layout.c
     want = {name: np.zeros(shape, np.int32) for name, shape in layout.fields()}
-    want["prev_rows"][:] = -1
+    want["prev_rows"][:] = want["lora_starts"][:] = -1
     for i, r in enumerate(rows):
         n = r.end - r.start
         at = slice(i * c, i * c + n)
@@ -47,7 +47,7 @@ def _expected(rows, layout):
         want["base_pages"][i, :len(r.base_page_table)] = r.base_page_table
         want["res_pages"][i, :len(r.res_page_table)] = r.res_page_table
         want["prefix_lengths"][i], want["chunk_lengths"][i] = r.start, n
-        want["adapter_ids"][i] = r.adapter_slot
+        want["adapter_ids"][i], want["lora_starts"][i] = r.adapter_slot, r.lora_start
         want["group_sizes"][r.adapter_slot] += c
         want["sample_rows"][i] = i * c + n - 1
     assert t == len(want["tokens"])

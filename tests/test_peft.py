@@ -64,6 +64,9 @@ def test_content_hash_tracks_weights_not_name(llama, tmp_path):
     (lambda c: c.__setitem__("r", 0), "field r="),
     (lambda c: c.__setitem__("bias", "all"), "bias"),
     (lambda c: c.__setitem__("rank_pattern", {"q_proj": 4}), "rank_pattern"),
+    (lambda c: c.__setitem__("alora_invocation_tokens", []), "alora_invocation_tokens"),
+    (lambda c: c.__setitem__("alora_invocation_tokens", [5, 10**6]), "alora_invocation_tokens"),
+    (lambda c: c.__setitem__("alora_invocation_tokens", "5"), "alora_invocation_tokens"),
 ])
 def test_unsupported_config_fields_are_refused(llama, tmp_path, edit, match):
     cfg, adapters = llama
@@ -129,3 +132,14 @@ def test_saved_adapters_load_back(tmp_path):
     for k, (wa, wb) in odd.weights.items():
         np.testing.assert_allclose(back.weights[k][1], wb, rtol=1e-6)
         assert np.array_equal(back.weights[k][0], wa)
+
+
+def test_activated_lora_invocation_loads_and_saves(llama, tmp_path):
+    cfg, adapters = llama
+    d = _copy(adapters["qkvo8"], tmp_path / "a",
+              cfg_edit=lambda c: c.__setitem__("alora_invocation_tokens", [5, 6, 7]))
+    alora = load_peft_adapter("a", d, cfg)
+    assert alora.invocation_tokens == (5, 6, 7)
+    assert load_peft_adapter("p", adapters["qkvo8"], cfg).invocation_tokens is None
+    back = load_peft_adapter("b", save_peft_adapter(alora, str(tmp_path / "b")), cfg)
+    assert back.invocation_tokens == (5, 6, 7) and back.content_hash == alora.content_hash

@@ -41,6 +41,22 @@ def test_load_use_replace_unload_adapter(server, tmp_path):
         assert again.status_code == 404
 
 
+def test_activated_lora_adapter_needs_its_invocation_in_the_prompt(server, tmp_path):
+    invocation = [67, 114, 105]
+    path = write_peft(tmp_path / "alora", alora_invocation_tokens=invocation)
+    with server.http() as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "alora-critic", "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+        bad = http.post("/v1/completions", json={"model": "alora-critic", "prompt": [40, 41, 67, 114, 42]})
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and error["param"] == "prompt"
+        assert "'alora-critic'" in error["message"] and str(invocation) in error["message"]
+        good = complete(http, model="alora-critic", prompt=[40, 67, 114, 105, 41], max_tokens=4,
+                        ignore_eos=True)
+        assert good["usage"]["completion_tokens"] == 4
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "alora-critic"}).status_code == 200
+
+
 def test_unload_waits_for_running_requests_and_others_keep_flowing(server, tmp_path):
     with server.http() as http:
         assert http.post("/v1/load_lora_adapter", json={

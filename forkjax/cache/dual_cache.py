@@ -11,7 +11,7 @@ import numpy as np
 from forkjax.cache.allocator import PageAllocator
 from forkjax.cache.hold import PrefixHold
 from forkjax.cache.host_pool import HostBudget, HostPagePool
-from forkjax.cache.policy import SHARED, CachePolicy, get_policy, unsalted
+from forkjax.cache.policy import EXACT, SHARED, Activated, CachePolicy, get_policy, key_tokens, unsalted
 from forkjax.cache.pool import PoolLayout
 from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.seq_cache import PoolSeq, SeqCache
@@ -60,7 +60,7 @@ class DualRadixCache:
 
     def match(self, tokens, adapter_key: Hashable = None) -> MatchResult:
         """Probe both trees (no lock, no stats). Refreshes LRU recency like any access."""
-        tokens = np.asarray(tokens, np.int32)
+        tokens = key_tokens(tokens, adapter_key)
         base_len, base_pages, base_node = self.base_tree.match_prefix(self.policy.base_ns(adapter_key), tokens)
         res_ns = self.policy.res_ns(adapter_key)
         if res_ns is None:
@@ -80,7 +80,9 @@ class DualRadixCache:
         tokens (a fork inside a page whose writer inserted its own copy of that page starts a
         node with a page of its own): a request that needs nearly the whole pool may then fit
         only without it."""
-        tokens = np.asarray(tokens, np.int32)
+        tokens = key_tokens(tokens, adapter_key)
+        if fanout and isinstance(unsalted(adapter_key), Activated):
+            raise ValueError(f"residual fan-out from {adapter_key!r}, an Activated LoRA request")
         if reuse:
             self.prefetch(tokens, adapter_key, list((fanout or {}).values()))
             m = self.match(tokens, adapter_key)
@@ -112,7 +114,7 @@ class DualRadixCache:
         or evictable pages, held ones last (a request's start, or a session about to run)."""
         if self.host_budget is None:
             return
-        tokens = np.asarray(tokens, np.int32)
+        tokens = key_tokens(tokens, adapter_key)
         spaces = [(self.base_tree, self.policy.base_ns(adapter_key))]
         if self.res_tree is not None:
             spaces += [(self.res_tree, ns) for ns in
@@ -127,7 +129,7 @@ class DualRadixCache:
     def match_all(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list:
         """[(tree, cached length, last node)] for the base namespace, the request's own residual
         one (if it keeps a residual) and each fan-out agent's residual one."""
-        tokens = np.asarray(tokens, np.int32)
+        tokens = key_tokens(tokens, adapter_key)
         m = self.match(tokens, adapter_key)
         out = [(self.base_tree, m.base_len, m.base_node)]
         if m.res_node is not None:
@@ -213,7 +215,7 @@ class DualRadixCache:
         decode_batch_size_mean), plus accounting extras.
 
         agent_bytes[adapter]: bytes only that adapter can read (its namespaces in either tree plus
-        its running requests' private pages); shared_bytes: bytes in SHARED namespaces. Together
+        its running requests' private pages); shared_bytes: bytes in SHARED and EXACT namespaces. Together
         they add up to base_bytes_used + residual_bytes_used. Salts are summed over.
         """
         base_alloc = self.base_tree.allocator
@@ -224,7 +226,7 @@ class DualRadixCache:
             if tree is None:
                 continue
             for ns, pages in tree.ns_pages.items():
-                if unsalted(ns) is SHARED:
+                if unsalted(ns) in (SHARED, EXACT):
                     shared += pages * page_bytes
                 elif pages:
                     agent_bytes[unsalted(ns)] += pages * page_bytes

@@ -18,12 +18,22 @@ It therefore takes no residual pages under any policy; under `prefix` it has its
 A request's `cache_salt` wraps its key (`Salted`): each of its namespaces is then the unsalted one
 within that salt, so requests of different salts share no page in either tree, under every
 policy, and requests of one salt share exactly as the table says.
+
+An Activated LoRA request (`Activated`: its adapter acts from its invocation on) keeps merged
+K/V in the base tree and no residual, under every policy. Its tokens before the invocation are
+the base model's own K/V, so it reads and writes them in the namespace of exact base-model
+pages: the bare base model's under `prefix`, EXACT under the others (whose SHARED namespace
+holds pages computed from other adapters' hidden states). Its tokens from the invocation on are
+its adapter's: their keys are tagged with the adapter (`key_tokens`), so they branch off the
+base path there, and only requests of that adapter with the same invocation position meet them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class _Shared:
@@ -34,6 +44,30 @@ class _Shared:
 
 
 SHARED = _Shared()
+
+
+class _Exact:
+    """Namespace of base-model K/V computed from base-model hidden states alone (aLoRA's)."""
+
+    def __repr__(self) -> str:
+        return "EXACT"
+
+
+EXACT = _Exact()
+
+# An Activated LoRA token's key: -(tag·2^TOKEN_BITS + token) - 1, never a token id.
+TOKEN_BITS = 18
+MAX_ALORA_TAG = (2**31 - 1) >> TOKEN_BITS  # tags 1 .. this fit an int32 key
+
+
+@dataclass(frozen=True)
+class Activated:
+    """An Activated LoRA request's cache key: adapter `key` acting from position `start` on
+    (its invocation's first token), `tag` (1 .. MAX_ALORA_TAG) a number no other aLoRA adapter
+    of the engine has."""
+    key: Hashable
+    tag: int
+    start: int
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,20 @@ def unsalted(key: Hashable) -> Hashable:
     return key.key if isinstance(key, Salted) else key
 
 
+def key_tokens(tokens, adapter_key: Hashable) -> np.ndarray:
+    """The radix-tree key [len(tokens)] int32 of a request's tokens: the tokens, but for an
+    Activated LoRA request those from its invocation on tagged with its adapter (a key passes
+    through unchanged)."""
+    tokens = np.asarray(tokens, np.int32)
+    act = unsalted(adapter_key)
+    if not isinstance(act, Activated) or act.start >= len(tokens):
+        return tokens
+    out = tokens.copy()
+    tail = tokens[act.start:]
+    out[act.start:] = np.where(tail >= 0, -((act.tag << TOKEN_BITS) | tail) - 1, tail)
+    return out
+
+
 @dataclass(frozen=True)
 class CachePolicy:
     name: str
@@ -65,6 +113,8 @@ class CachePolicy:
     def base_ns(self, adapter_key: Hashable) -> Hashable:
         if isinstance(adapter_key, Salted):
             return Salted(adapter_key.salt, self.base_ns(adapter_key.key))
+        if isinstance(adapter_key, Activated):
+            return None if self.base_per_adapter else EXACT
         return adapter_key if self.base_per_adapter else SHARED
 
     def res_ns(self, adapter_key: Hashable) -> Hashable | None:
@@ -72,7 +122,7 @@ class CachePolicy:
         if isinstance(adapter_key, Salted):
             ns = self.res_ns(adapter_key.key)
             return None if ns is None else Salted(adapter_key.salt, ns)
-        if self.residual is None or adapter_key is None:
+        if self.residual is None or adapter_key is None or isinstance(adapter_key, Activated):
             return None
         return adapter_key if self.residual == "per_adapter" else SHARED
 

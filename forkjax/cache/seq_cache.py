@@ -21,6 +21,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from forkjax.cache.policy import key_tokens
 from forkjax.cache.radix_tree import RadixTree
 from forkjax.cache.tree_node import TreeNode
 
@@ -201,6 +202,7 @@ class SeqCache:
         """`PoolSeq.extend_hit` in every pool; True if the request now computes less."""
         before = self.cached_len
         self.writable = 0
+        tokens = key_tokens(tokens, self.adapter_key)
         gained = [pool.extend_hit(tokens) for pool in (self.base, self.res) if pool is not None]
         for pool in self.fanout.values():
             pool.extend_hit(tokens)
@@ -288,7 +290,7 @@ class SeqCache:
         Call after prefill (so concurrent requests share the prompt) and at finish with
         prompt + generated tokens whose K/V is in the cache (not the last sampled token).
         """
-        tokens = np.asarray(tokens, np.int32)
+        tokens = key_tokens(tokens, self.adapter_key)
         self.writable = 0
         for pool in self.pools:
             pool.commit(tokens)

@@ -27,7 +27,7 @@ def full_row(seq: Sequence, start: int, end: int) -> BatchRow:
     penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1
     return BatchRow(start, end, tokens, seq.sample_row, base_slots, res_slots,
                     h.fanout_slots(start, end), h.base_page_table, h.res_page_table, seq.slot,
-                    p, len(seq.output) + seq.pending, seq.output if penalised else None,
+                    seq.lora_start, p, len(seq.output) + seq.pending, seq.output if penalised else None,
                     seq.req.prompt if p.repetition_penalty != 1 else None)
 
 

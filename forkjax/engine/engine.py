@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from forkjax.cache import check_shared_lora_a, residual_copies_for
+from forkjax.cache.policy import TOKEN_BITS
 from forkjax.config import EngineConfig
 from forkjax.engine.engine_core import EngineCore
 from forkjax.engine.loading import load_model_and_adapters, read_adapters
@@ -90,7 +91,8 @@ class Engine(EngineCore):
         if unknown:
             raise ValueError(f"pinned_adapters: {unknown} are not among the adapters loaded at start")
         copies = residual_copies_for(cache_policy, len(loaded), max_loras, residual_copies)
-        engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, **engine_kwargs)
+        alora = any(a.invocation_tokens is not None for a in loaded)  # compile for them from the start
+        engine = cls(model_cfg, net, cfg, tokenizer, residual_copies=copies, alora=alora, **engine_kwargs)
         for adapter in loaded:
             engine._install(adapter, adapter.name in pinned_adapters)
         return engine
@@ -127,6 +129,11 @@ class Engine(EngineCore):
 
     def _install(self, adapter: LoraAdapter, pinned: bool = False):
         """Register `adapter`; it takes a device slot now if one is free or it is pinned."""
+        if adapter.invocation_tokens is not None:
+            if self.model_cfg.vocab_size > 1 << TOKEN_BITS:
+                raise ValueError(f"adapter {adapter.name!r}: Activated LoRA needs a vocabulary of at "
+                                 f"most {1 << TOKEN_BITS} tokens, not {self.model_cfg.vocab_size}")
+            self.runner.enable_alora()
         self.slots.add(adapter, pinned)
         self.writer.prepare(adapter)
         if pinned or len(self.slots.slot_by_name) < self.slots.num_slots - 1:
@@ -216,5 +223,6 @@ class Engine(EngineCore):
 
 
 def _check_lrshared(adapters: list[LoraAdapter]):
+    """The adapters that keep a residual share one A (Activated LoRA adapters keep none)."""
     check_shared_lora_a({a.name: {f"layers.{layer}.{m}": w[0] for (layer, m), w in a.weights.items()}
-                         for a in adapters})
+                         for a in adapters if a.invocation_tokens is None})

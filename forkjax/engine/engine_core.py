@@ -22,12 +22,11 @@ import time
 import jax
 
 from forkjax.cache import DualRadixCache, PoolLayout
-from forkjax.cache.policy import salted
 from forkjax.config import EngineConfig, ModelConfig
 from forkjax.engine import memory
 from forkjax.engine.guided import Guide, ll_tokenizer
-from forkjax.engine.requests import (InvalidArgument, check_salt, check_session, fanout_targets,
-                                     prompt_ids)
+from forkjax.engine.requests import (InvalidArgument, adapter_key, check_salt, check_session,
+                                     fanout_targets, prompt_ids)
 from forkjax.engine.scheduler import PreemptionNeeded, Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence, Status
 from forkjax.engine.sessions import SESSION_TTL_S
@@ -48,7 +47,8 @@ class EngineCore:
                  max_model_len: int | None = None, max_prefill_tokens: int = 2048,
                  use_pallas: bool | None = None, warmup: bool | str = True, progress: bool = True,
                  overlap: bool = True, residual_copies: int = 1, max_wait_s: float = 60.0,
-                 session_ttl_s: float = SESSION_TTL_S, compile_workers: int | None = None):
+                 session_ttl_s: float = SESSION_TTL_S, compile_workers: int | None = None,
+                 alora: bool = False):
         self.model_cfg, self.config, self.tokenizer = model_cfg, cfg, tokenizer
         self.max_model_len = min(max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
@@ -91,7 +91,8 @@ class EngineCore:
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
                                   use_pallas=on_gpu if use_pallas is None else use_pallas,
                                   fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=fanout_width,
-                                  host_tier=tuple(h.max_block if h else 0 for h in self.cache.host_pools))
+                                  host_tier=tuple(h.max_block if h else 0 for h in self.cache.host_pools),
+                                  alora=alora)
         self.metrics = EngineStats()
         self._stall_at_reset = 0.0  # host_load_stall_s at the last reset_stats()
         self.overlap = overlap
@@ -159,7 +160,7 @@ class EngineCore:
         self._check_open()
         ids = prompt_ids(prompt, self.tokenizer, self.model_cfg.vocab_size, self.max_model_len)
         salt = check_salt(cache_salt)
-        key = salted(self.slots.key_of(adapter), salt)  # KeyError for an unknown adapter
+        key = adapter_key(self.slots, adapter, ids, salt)  # KeyError for an unknown adapter
         check_session(session_id, session_end, session_tokens, session_next_s)
         fanout = fanout_targets(self.slots, self.config, adapter, key, fanout_adapters, salt)
         params = params or SamplingParams()

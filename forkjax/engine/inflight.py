@@ -24,6 +24,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from forkjax.cache.policy import key_tokens
+
 PageKey = tuple[str, Hashable, int]  # (pool, namespace, chain hash)
 
 
@@ -136,7 +138,8 @@ class InflightPages:
     def _prompt_hashes(self, seq) -> list[int]:
         hashes = self._hashes.get(seq.id)
         if hashes is None:
-            hashes = self._hashes[seq.id] = page_hashes(seq.prompt, self.page_size)
+            hashes = self._hashes[seq.id] = page_hashes(key_tokens(seq.prompt, seq.adapter_key),
+                                                        self.page_size)
         return hashes
 
     def __len__(self) -> int:

@@ -1,10 +1,12 @@
-"""Validation of what a request brings: its prompt, its cache salt, its session fields and its
-fan-out group (InvalidArgument or KeyError, naming what is wrong, before anything is queued)."""
+"""Validation of what a request brings: its prompt, its adapter's cache key, its cache salt, its
+session fields and its fan-out group (InvalidArgument or KeyError, naming what is wrong, before
+anything is queued)."""
 
 from __future__ import annotations
 
-from forkjax.cache.policy import salted
+from forkjax.cache.policy import Activated, salted
 from forkjax.config import EngineConfig
+from forkjax.lora.activated import invocation_start
 from forkjax.lora.slots import AdapterSlots
 
 
@@ -39,6 +41,21 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int) -> list[i
     return ids
 
 
+def adapter_key(slots: AdapterSlots, adapter: str | None, ids: list[int], salt: str | None):
+    """The cache key of a request of `adapter` (KeyError for an unknown one) on prompt `ids`: an
+    Activated LoRA adapter's (`Activated`) acts from its invocation's last occurrence on."""
+    key = slots.key_of(adapter)
+    invocation = slots.invocation_of(adapter)
+    if invocation is not None:
+        start = invocation_start(ids, invocation)
+        if start < 0:
+            raise InvalidArgument("prompt", f"adapter {adapter!r} is an Activated LoRA adapter: its "
+                                            f"prompt must hold its invocation tokens {list(invocation)}, "
+                                            "and this one does not")
+        key = Activated(key, slots.alora_tags[key], start)
+    return salted(key, salt)
+
+
 def check_salt(cache_salt) -> str | None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidArgument("cache_salt", f"cache_salt={cache_salt!r}: expected a non-empty string")
@@ -67,8 +84,11 @@ def check_session(session_id, session_end, session_tokens, session_next_s=None) 
 
 def slot_fanout(slots: AdapterSlots, own: str | None, width: int) -> list[str]:
     """Whom a `residual_fanout` request without `fanout_adapters` fans out to: the other adapters
-    in device slots now, the first `width` (`fanout_width`: at most the slots beside its own)."""
-    return [n for n in slots.slot_by_name if n != own][:width]
+    in device slots now, the first `width` (`fanout_width`: at most the slots beside its own;
+    never an Activated LoRA adapter, which keeps no residual, nor from one)."""
+    if slots.invocation_of(own) is not None:
+        return []
+    return [n for n in slots.slot_by_name if n != own and slots.invocation_of(n) is None][:width]
 
 
 def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, own_key, names,
@@ -87,6 +107,10 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
     if names and config.cache_policy != "forkkv":
         raise InvalidArgument("fanout_adapters", "residual fan-out needs cache_policy='forkkv', "
                                                  f"not {config.cache_policy!r}")
+    alora = [n for n in [own, *names] if slots.invocation_of(n) is not None]
+    if names and alora:
+        raise InvalidArgument("fanout_adapters", f"adapter {alora[0]!r} is an Activated LoRA adapter, "
+                                                 "whose requests keep no residual: no fan-out to or from it")
     out, keys = {}, {own_key}
     for name in names:
         key = salted(slots.key_of(name), salt)  # KeyError for an unknown one

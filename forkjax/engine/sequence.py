@@ -10,6 +10,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from forkjax.cache.policy import Activated, unsalted
 from forkjax.runtime.batch import PENDING
 from forkjax.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ class Sequence:
     __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
                  "first_admitted", "cache", "reuse_cache", "fanout", "key_ns", "num_computed",
                  "num_verified", "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
-                 "params", "slot", "score", "session_id", "targets", "guide")
+                 "params", "slot", "lora_start", "score", "session_id", "targets", "guide")
 
     def __init__(self, req: Request, guide=None):
         self.id = next(_ids)
@@ -64,6 +65,8 @@ class Sequence:
         # others go through __getattr__, a failed lookup first: ~1 µs each)
         self.params, self.score, self.session_id = req.params, req.score, req.session_id
         self.slot = 0  # its adapter's device slot, from when it starts (Scheduler._start)
+        act = unsalted(req.adapter_key)  # Activated LoRA: its adapter acts from its invocation on
+        self.lora_start = act.start if isinstance(act, Activated) else -1
         self.status = Status.WAITING
         self.output: list[int] = []
         self.finish_reason: str | None = None

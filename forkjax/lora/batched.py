@@ -1,7 +1,8 @@
 """Batched multi-LoRA matmul over tokens grouped by adapter slot (SGMV-style segments).
 
 The batch's tokens are laid out so that all tokens of adapter slot 0 come first, then slot 1, ...
-(`group_sizes[s]` tokens for slot `s`; the host orders requests by slot when it builds a batch).
+(`group_sizes[s]` tokens for slot `s`; the host orders requests by slot when it builds a batch);
+the model takes each token's slot (`token_slots`), N where no adapter acts on it.
 Each half of LoRA is one dense GEMM against all N slots side by side: shrink x [T, d_in] @ A^T
 (A [N·R, d_in]; the model appends A to its projection's weight, so this GEMM is the projection's)
 and keep only the token's own R columns, selected, not multiplied by a 0/1 mask (another slot's
@@ -45,15 +46,15 @@ def lora_shrink(x, a, group_sizes, precision=None):
     n, r, d_in = a.shape
     xa = jax.lax.dot_general(x, a.reshape(n * r, d_in), (((1,), (1,)), ((), ())),
                              precision=precision, preferred_element_type=jnp.float32)
-    return slot_rows(xa.astype(x.dtype).reshape(-1, n, r), group_sizes)
+    return slot_rows(xa.astype(x.dtype).reshape(-1, n, r), slots_from_group_sizes(group_sizes, x.shape[0]), n)
 
 
-def slot_rows(xa, group_sizes):
-    """xa [T, ..., N, R] (every slot's xA) -> the same with zeros outside each token's own slot:
-    the rows `lora_expand` multiplies by all N B's at once. `own_slot` reads xA [T, ..., R] back.
-    Padding rows are all zeros; xa [T, ..., 1, R] (one slot's xA) is broadcast to the N slots."""
-    n = group_sizes.shape[0]
-    own = slots_from_group_sizes(group_sizes, xa.shape[0])[:, None] == jnp.arange(n)  # [T, N]
+def slot_rows(xa, slots, n: int):
+    """xa [T, ..., N or 1, R] (every slot's xA, or one slot's broadcast to the N slots), slots [T]
+    int32 (N: none) -> [T, ..., N, R] with zeros outside each token's own slot: the rows
+    `lora_expand` multiplies by all N B's at once. `own_slot` reads xA [T, ..., R] back. A token
+    of slot N (padding, or an aLoRA request's token before its invocation) gets all zeros."""
+    own = slots[:, None] == jnp.arange(n)  # [T, N]
     own = own.reshape(own.shape[:1] + (1,) * (xa.ndim - 3) + (n, 1))
     return jnp.where(own, xa, jnp.zeros((), xa.dtype))
 
@@ -76,6 +77,16 @@ def slots_from_group_sizes(group_sizes, num_tokens: int):
     # XLA's GPU runtime drives from the host, on every step.
     ends = jnp.cumsum(group_sizes)
     return jnp.sum(jnp.arange(num_tokens)[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def token_slots(group_sizes, positions, lora_starts):
+    """The LoRA slot of every token [T] int32: its group's (`group_sizes` [N]), or N (no
+    adapter) before its row's activation position. positions [T] int32; lora_starts [B] int32
+    (T = B·C, C positions a row): the first position the row's adapter acts on (Activated LoRA:
+    its invocation's start; -1 for a plain adapter, which acts everywhere)."""
+    n, t = group_sizes.shape[0], positions.shape[0]
+    start = jnp.repeat(lora_starts, t // lora_starts.shape[0])  # [T]
+    return jnp.where(positions >= start, slots_from_group_sizes(group_sizes, t), n)
 
 
 def lora_naive_reference(x, a, b, slots):

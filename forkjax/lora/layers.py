@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from forkjax.linear import linear_f32
-from forkjax.lora.batched import OwnRows, lora_expand, slot_rows, slots_from_group_sizes
+from forkjax.lora.batched import OwnRows, lora_expand, slot_rows
 from forkjax.pallas_kernels.sgmv import api as sgmv
 
 LORA_PATHS = ("fused", "sgmv")
@@ -69,30 +69,29 @@ class LoRALinear(nnx.Module):
         n, r = self.slots
         return self.out + (self.lora.index(part) * n + slot) * r
 
-    def __call__(self, x, group_sizes) -> dict:
-        """x [T, in], group_sizes [N] (tokens grouped by slot) -> {part: (xW + b [T, out],
+    def __call__(self, x, slots) -> dict:
+        """x [T, in], slots [T] int32 (each token's slot, N: none; batched.token_slots) -> {part: (xW + b [T, out],
         slot rows [T, N, R] (xA in the token's slot, zeros in the others: `forkjax.lora.batched`;
         `OwnRows` on the sgmv path) or None for a part without slots)}."""
-        return self.split(self.project(x, group_sizes), group_sizes)
+        return self.split(self.project(x, slots), slots)
 
-    def project(self, x, group_sizes=None):
+    def project(self, x, slots=None):
         """x [T, in] -> the one GEMM's output [T, O + L·N·R] in float32, not yet rounded to x's
         dtype (`split` rounds it; a kernel reading it rounds as it loads, where XLA would run a
         convert kernel first): every part's xW + b, then every slot's xA of each part with
         slots (rows of `a_rows`). The sgmv path: xW + b, then each part's own-slot xA [T, R]
-        (`group_sizes` [N] needed)."""
+        (`slots` [T] needed)."""
         w = self.weight[...]
         bias = None
         if self.bias is not None:
             bias = jnp.pad(self.bias[...], (0, w.shape[0] - self.out))  # no bias on the A rows
         y = linear_f32(x, w, self.precision, bias)
         if self.lora_path != "fused" and self.lora:
-            slots = slots_from_group_sizes(group_sizes, x.shape[0])
             y = jnp.concatenate([y, *(sgmv.shrink(x, self.lora_a[p][...], slots).astype(y.dtype)
                                       for p in self.lora)], axis=1)
         return y if self.reduce is None else jax.lax.psum(y, self.reduce)
 
-    def split(self, y, group_sizes) -> dict:
+    def split(self, y, slots) -> dict:
         """`project`'s output -> what `__call__` returns."""
         y = y.astype(self.weight.dtype)
         out, start = {}, 0
@@ -104,17 +103,17 @@ class LoRALinear(nnx.Module):
             n, r = self.slots
             if self.lora_path == "fused":
                 xa_all = y[:, self.out:].reshape(y.shape[0], len(self.lora), n, r)
-                rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, group_sizes), axis=1)))
+                rows = dict(zip(self.lora, jnp.unstack(slot_rows(xa_all, slots, n), axis=1)))
             else:
                 xa = y[:, self.out:].reshape(y.shape[0], len(self.lora), r)
-                rows = {p: self.rows_of(xa[:, i], group_sizes) for i, p in enumerate(self.lora)}
+                rows = {p: self.rows_of(xa[:, i], slots) for i, p in enumerate(self.lora)}
         return {name: (y_part, rows.get(name)) for name, y_part in out.items()}
 
-    def rows_of(self, xa, group_sizes):
-        """Each token's own xA [T, R] -> the slot rows `expand` takes."""
+    def rows_of(self, xa, slots):
+        """Each token's own xA [T, R] and slots [T] -> the slot rows `expand` takes."""
         if self.lora_path == "fused":
-            return slot_rows(xa[:, None], group_sizes)  # [T, 1, R], broadcast over the N slots
-        return OwnRows(xa, slots_from_group_sizes(group_sizes, xa.shape[0]))
+            return slot_rows(xa[:, None], slots, self.slots[0])  # [T, 1, R], broadcast over the N slots
+        return OwnRows(xa, slots)
 
     def all_slots_xa(self, x, part: str):
         """x [T, in] -> xA of `part` for every slot [T, N, R] (float32; residual fan-out)."""
@@ -128,7 +127,7 @@ class LoRALinear(nnx.Module):
             return sgmv.expand(rows.xa, self.lora_b[part][...], rows.slots)
         return lora_expand(rows, self.lora_b[part][...], self.precision)
 
-    def merged(self, x, group_sizes) -> list:
-        """x [T, in] -> [xW + b + xA·B [T, out] for each part] (LoRA applied at once)."""
+    def merged(self, x, slots) -> list:
+        """x [T, in], slots [T] -> [xW + b + xA·B [T, out] for each part] (LoRA applied at once)."""
         return [y if rows is None else y + self.expand(name, rows)
-                for name, (y, rows) in self(x, group_sizes).items()]
+                for name, (y, rows) in self(x, slots).items()]

@@ -3,7 +3,7 @@
 
 Supported: `peft_type: LORA` on the decoder projections q/k/v/o/gate/up/down, any rank, `lora_alpha`,
 `use_rslora`, `target_modules` as a list of names, one name, "all-linear" or a regex, weights in
-`adapter_model.safetensors`. Everything else is refused with an error naming the field, because
+`adapter_model.safetensors`, and Activated LoRA's `alora_invocation_tokens` (lora/activated.py). Everything else is refused with an error naming the field, because
 running it without its effect would silently change the model.
 """
 
@@ -35,6 +35,9 @@ class LoraAdapter:
     # (layer, module) -> (A [d_in, r], B [r, d_out] with `scaling` folded in), float32.
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     source: str = "<memory>"
+    # Activated LoRA: the token ids whose last occurrence in a prompt switches it on (None: a
+    # plain adapter, on everywhere)
+    invocation_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         """ValueError naming the first tensor with a NaN or inf (B with its scale folded in: a
@@ -136,6 +139,14 @@ def load_peft_adapter(name: str, path: str, model_cfg: ModelConfig) -> LoraAdapt
         raise _config_error(path, "lora_alpha", alpha, "must be a number")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     targets = _targets_of(cfg, path)
+    invocation = cfg.get("alora_invocation_tokens")
+    if invocation is not None:
+        if (not isinstance(invocation, list) or not invocation
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < model_cfg.vocab_size
+                           for t in invocation)):
+            raise _config_error(path, "alora_invocation_tokens", invocation,
+                                f"must be a non-empty list of token ids below {model_cfg.vocab_size}")
+        invocation = tuple(invocation)
 
     weights_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.exists(weights_file):
@@ -149,11 +160,13 @@ def load_peft_adapter(name: str, path: str, model_cfg: ModelConfig) -> LoraAdapt
             tensors = {k: np.asarray(f.get_tensor(k).astype("float32")) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"adapter {name!r}: {weights_file} is not a readable safetensors file: {e}") from None
-    return adapter_from_tensors(name, tensors, r, scaling, targets, model_cfg, source=path)
+    return adapter_from_tensors(name, tensors, r, scaling, targets, model_cfg, source=path,
+                                invocation_tokens=invocation)
 
 
 def adapter_from_tensors(name, tensors: dict[str, np.ndarray], r: int, scaling: float,
-                         targets: set[str], model_cfg: ModelConfig, source="<memory>") -> LoraAdapter:
+                         targets: set[str], model_cfg: ModelConfig, source="<memory>",
+                         invocation_tokens: tuple[int, ...] | None = None) -> LoraAdapter:
     shapes = model_cfg.projection_shapes()
     parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, t in tensors.items():
@@ -183,7 +196,8 @@ def adapter_from_tensors(name, tensors: dict[str, np.ndarray], r: int, scaling: 
         weights[key] = (np.ascontiguousarray(p["A"].T), np.ascontiguousarray(p["B"].T) * np.float32(scaling))
     if not weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights found")
-    return LoraAdapter(name=name, rank=r, scaling=float(scaling), weights=weights, source=source)
+    return LoraAdapter(name=name, rank=r, scaling=float(scaling), weights=weights, source=source,
+                       invocation_tokens=invocation_tokens)
 
 
 def save_peft_adapter(adapter: LoraAdapter, path: str) -> str:
@@ -204,6 +218,8 @@ def save_peft_adapter(adapter: LoraAdapter, path: str) -> str:
     alpha = adapter.scaling * adapter.rank
     config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": int(alpha) if alpha == int(alpha) else alpha,
               "target_modules": sorted(adapter.targets), "bias": "none"}
+    if adapter.invocation_tokens is not None:
+        config["alora_invocation_tokens"] = list(adapter.invocation_tokens)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return path

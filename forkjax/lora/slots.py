@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 
+from forkjax.cache.policy import MAX_ALORA_TAG
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.targets import BLOCK, TARGETS, holder_of
 
@@ -59,6 +60,9 @@ class AdapterSlots:
         # and the seconds steps waited for those writes
         self.swaps = self.swap_bytes = 0
         self.swap_s = 0.0
+        # content hash -> its tag in the cache's keys (cache/policy.Activated), for every
+        # Activated LoRA adapter ever added: a tag never names two adapters
+        self.alora_tags: dict[str, int] = {}
 
     def check(self, name: str | None) -> None:
         if name is not None and name not in self.by_name:
@@ -68,6 +72,11 @@ class AdapterSlots:
         """The adapter's cache identity (content hash; None for the bare base model)."""
         self.check(name)
         return None if name is None else self.by_name[name].content_hash
+
+    def invocation_of(self, name: str | None) -> tuple[int, ...] | None:
+        """An Activated LoRA adapter's invocation tokens; None for a plain one or the base model."""
+        self.check(name)
+        return None if name is None else self.by_name[name].invocation_tokens
 
     def slot_of(self, name: str | None) -> int | None:
         """The device slot `name` is in now (BASE_SLOT for None), None if it is on the host."""
@@ -88,6 +97,11 @@ class AdapterSlots:
         if pinned and len(self.pinned - {name}) >= self.num_slots - 2:
             raise ValueError(f"{len(self.pinned - {name})} of the {self.num_slots - 1} adapter slots are pinned: "
                              "one stays for the others; unpin one or raise max_loras")
+        if adapter.invocation_tokens is not None and adapter.content_hash not in self.alora_tags:
+            if len(self.alora_tags) >= MAX_ALORA_TAG:
+                raise ValueError(f"{MAX_ALORA_TAG} Activated LoRA adapters were loaded into this "
+                                 "engine, the most its cache keys can tell apart")
+            self.alora_tags[adapter.content_hash] = len(self.alora_tags) + 1
         self.remove(name)
         self.by_name[name] = adapter
         if pinned:

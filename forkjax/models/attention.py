@@ -28,12 +28,12 @@ class QKV:
     proj: Any  # that LoRALinear: lora_b, a_rows
     heads: tuple[int, int, int]  # (Hq, Hkv, D)
     rope: tuple  # (cos, sin) [T, D]
-    group_sizes: jax.Array  # [N] int32 tokens per adapter slot
+    slots: jax.Array  # [T] int32 each token's adapter slot (N: none)
     x: jax.Array | None = None  # [T, in] the projection's input (the sgmv path's fan-out)
 
     @functools.cached_property
     def _parts(self) -> dict:
-        return self.proj.split(self.y, self.group_sizes)
+        return self.proj.split(self.y, self.slots)
 
     def b(self, part: str):
         """LoRA B of `part` [N, R, out] (the LoRA scale folded in)."""
@@ -79,7 +79,13 @@ class QKV:
     def merged_kv(self):
         """-> full K (RoPE) and V, each [T, Hkv, D]: the (base, residual) pairs merged."""
         (kb, kr), (vb, vr) = self.k(), self.v()
-        t, hkv, hd = kb.shape
-        k_lora, v_lora = (self.proj.expand(part, self.proj.rows_of(xa, self.group_sizes)).reshape(t, hkv, hd)
+        k_lora, v_lora = self.lora_kv(kr, vr)
+        return kb + k_lora, vb + v_lora
+
+    def lora_kv(self, kr, vr):
+        """Residuals xA_k, xA_v [T, R] -> the LoRA terms RoPE(xA_k·B_k), xA_v·B_v [T, Hkv, D]
+        of each token's slot."""
+        _, hkv, hd = self.heads
+        k_lora, v_lora = (self.proj.expand(part, self.proj.rows_of(xa, self.slots)).reshape(-1, hkv, hd)
                           for xa, part in ((kr, "k_proj"), (vr, "v_proj")))
-        return kb + apply_rope(k_lora, *self.rope), vb + v_lora
+        return apply_rope(k_lora, *self.rope), v_lora

@@ -40,7 +40,7 @@ from forkjax.tensor_parallel import TP_AXIS, local_config
 @dataclasses.dataclass
 class ForwardBatch:
     positions: jax.Array    # [T] int32 position of every token in its sequence
-    group_sizes: jax.Array  # [N] int32 tokens per adapter slot (tokens are ordered by slot)
+    slots: jax.Array        # [T] int32 each token's adapter slot (N: none; lora.batched.token_slots)
     attn: Any = None        # attention backend metadata (a pytree)
 
 
@@ -69,10 +69,10 @@ class Attention(nnx.Module):
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def __call__(self, layer, x, rope, batch: ForwardBatch, attn_fn: AttnFn, state):
-        qkv = QKV(self.qkv_proj.project(x, batch.group_sizes), self.qkv_proj, self.heads, rope,
-                  batch.group_sizes, x)
+        qkv = QKV(self.qkv_proj.project(x, batch.slots), self.qkv_proj, self.heads, rope,
+                  batch.slots, x)
         out, state = attn_fn(layer, qkv, batch, state)
-        return self.o_proj.merged(out.reshape(x.shape[0], -1), batch.group_sizes)[0], state
+        return self.o_proj.merged(out.reshape(x.shape[0], -1), batch.slots)[0], state
 
 
 class MLP(nnx.Module):
@@ -83,9 +83,9 @@ class MLP(nnx.Module):
         self.down_proj = LoRALinear(f, {"down_proj": d}, bias=False, lora=targets,
                                     reduce=reduce, **lora)
 
-    def __call__(self, x, gs):
-        gate, up = self.gate_up_proj.merged(x, gs)
-        return self.down_proj.merged(jax.nn.silu(gate) * up, gs)[0]
+    def __call__(self, x, slots):
+        gate, up = self.gate_up_proj.merged(x, slots)
+        return self.down_proj.merged(jax.nn.silu(gate) * up, slots)[0]
 
 
 class DecoderLayer(nnx.Module):
@@ -98,7 +98,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, layer, x, rope, batch, attn_fn, state):
         h, state = self.self_attn(layer, self.input_layernorm(x), rope, batch, attn_fn, state)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), batch.group_sizes), state
+        return x + self.mlp(self.post_attention_layernorm(x), batch.slots), state
 
 
 class CausalLM(nnx.Module):

@@ -29,6 +29,7 @@ class BatchRow:
     base_page_table: np.ndarray  # [pages] int32
     res_page_table: np.ndarray  # [pages] int32, the same token ranges
     adapter_slot: int
+    lora_start: int  # first position its adapter acts on: an aLoRA invocation's start, else -1
     params: SamplingParams
     step: int  # tokens the request has generated, pending ones included (the sampler's counter)
     output: list | None = None  # generated tokens the host knows, for penalties (else None)

@@ -32,6 +32,7 @@ class DecodeRows:
         self.res_pages = np.zeros((capacity, max_pages), np.int32)
         self.num_pages = np.zeros(capacity, np.int32)
         self.adapter = np.zeros(capacity, np.int32)
+        self.lora_start = np.full(capacity, -1, np.int32)
         self.temperature = np.zeros(capacity, np.float32)
         self.top_p = np.ones(capacity, np.float32)
         self.top_k = np.zeros(capacity, np.int32)
@@ -57,7 +58,7 @@ class DecodeRows:
         n = len(row.base_page_table)
         self.base_pages[i, n:] = self.res_pages[i, n:] = 0
         self.base_pages[i, :n], self.res_pages[i, :n] = row.base_page_table, row.res_page_table
-        self.num_pages[i], self.adapter[i] = n, row.adapter_slot
+        self.num_pages[i], self.adapter[i], self.lora_start[i] = n, row.adapter_slot, row.lora_start
         p = row.params
         self.temperature[i], self.top_p[i], self.top_k[i] = p.temperature, p.top_p, p.top_k
         self.seed[i] = p.seed & 0xFFFFFFFF
@@ -80,6 +81,8 @@ class DecodeRows:
         x["chunk_lengths"][:n] = 1
         x["adapter_ids"][:n] = adapters = self.adapter[idx]
         x["group_sizes"][:] = np.bincount(adapters, minlength=layout.n)
+        x["lora_starts"][:] = -1
+        x["lora_starts"][:n] = self.lora_start[idx]
         x["sample_rows"][:n] = np.arange(n)
         for i, row in enumerate(batch.rows):
             if row is not None:  # its own slots: a position still cached writes none

@@ -30,6 +30,7 @@ class StepInputs:
     prev_rows: jax.Array  # [T] int32 row of the previous step's sampled output to use, -1: tokens
     positions: jax.Array  # [T] int32
     group_sizes: jax.Array  # [N] int32 rows per adapter slot (rows are ordered by slot)
+    lora_starts: jax.Array  # [B] int32 first position a row's adapter acts on (-1: plain LoRA)
     meta: PagedMeta
     sample_rows: jax.Array  # [B] int32 row of each request's last token
 
@@ -50,7 +51,7 @@ class InputLayout:
         out = [("tokens", (t,)), ("prev_rows", (t,)), ("positions", (t,)), ("base_slots", (t,)),
                ("res_slots", (t,)), ("base_pages", (b, self.w)), ("res_pages", (b, self.w)),
                ("prefix_lengths", (b,)), ("chunk_lengths", (b,)), ("adapter_ids", (b,)),
-               ("group_sizes", (self.n,)), ("sample_rows", (b,))]
+               ("group_sizes", (self.n,)), ("lora_starts", (b,)), ("sample_rows", (b,))]
         if self.f:
             out += [("fan_slots", (t, self.f)), ("fan_adapters", (t, self.f))]
         return out
@@ -78,8 +79,8 @@ class InputLayout:
         meta = PagedMeta(x["base_slots"], x["res_slots"], x["base_pages"], x["res_pages"],
                          x["prefix_lengths"], x["chunk_lengths"], x["adapter_ids"],
                          x.get("fan_slots"), x.get("fan_adapters"))
-        return StepInputs(x["tokens"], x["prev_rows"], x["positions"], x["group_sizes"], meta,
-                          x["sample_rows"])
+        return StepInputs(x["tokens"], x["prev_rows"], x["positions"], x["group_sizes"],
+                          x["lora_starts"], meta, x["sample_rows"])
 
 
 def batch_shape(batch: ScheduledBatch, buckets: Buckets, pages: int | None = None) -> tuple[int, int, int]:
@@ -104,7 +105,7 @@ def build_inputs(batch: ScheduledBatch, layout: InputLayout) -> tuple[np.ndarray
     b, c = layout.b, layout.c
     buf = np.zeros(layout.size, np.int32)
     x = layout.views(buf)
-    x["prev_rows"][:] = -1
+    x["prev_rows"][:] = x["lora_starts"][:] = -1
     tokens, positions, prev_rows = x["tokens"], x["positions"], x["prev_rows"]
     base_slots, res_slots = x["base_slots"], x["res_slots"]
     fan_slots, fan_adapters = x.get("fan_slots"), x.get("fan_adapters")
@@ -119,7 +120,7 @@ def build_inputs(batch: ScheduledBatch, layout: InputLayout) -> tuple[np.ndarray
         for j, (slot, slots) in enumerate(row.fan_slots.items()):
             fan_adapters[r, j], fan_slots[r, j] = slot, slots
         x["prefix_lengths"][i], x["chunk_lengths"][i] = s, e - s
-        x["adapter_ids"][i] = row.adapter_slot
+        x["adapter_ids"][i], x["lora_starts"][i] = row.adapter_slot, row.lora_start
         group_sizes[row.adapter_slot] += c  # a request's padding rows ride in its own group
         x["sample_rows"][i] = i * c + e - s - 1
         if e - s == 1 and row.tokens[0] == PENDING:  # sampled by the previous step

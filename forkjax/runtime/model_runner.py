@@ -73,9 +73,10 @@ class Fetched:
 class ModelRunner:
     def __init__(self, model, layout: PoolLayout, buckets: Buckets, *, num_slots: int,
                  use_pallas: bool, fanout: bool = False, fanout_width: int = 0,
-                 host_tier: tuple[int, int] = (0, 0)):
+                 host_tier: tuple[int, int] = (0, 0), alora: bool = False):
         """`host_tier`: the largest block (pages) of the base and residual pools' host tiers
-        (cache/host_pool.py), 0 for none."""
+        (cache/host_pool.py), 0 for none. `alora`: Activated LoRA adapters may run
+        (`enable_alora`)."""
         self.layout = layout
         self.buckets = buckets
         self.num_slots = num_slots
@@ -83,6 +84,7 @@ class ModelRunner:
         self.fanout_width = fanout_width
         self.fanout = fanout and fanout_width > 0
         self.use_pallas = use_pallas
+        self.alora = False
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         self.graphdef, self.state_def = HashOnce(graphdef), HashOnce(treedef)
@@ -107,11 +109,22 @@ class ModelRunner:
         # shape's), so that engines of other batch sizes or pools never share a program.
         avals = lambda tree: (jax.tree.structure(tree), tuple(  # noqa: E731
             (x.shape, x.dtype.name) for x in jax.tree.leaves(tree)))
-        self._program = HashOnce((avals(self.params), avals(self.pools),
-                                  avals(self.prev_tokens), self.residual, use_pallas))
+        self._avals = (avals(self.params), avals(self.pools), avals(self.prev_tokens))
+        self._program = HashOnce((*self._avals, self.residual, use_pallas, self.alora))
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
+        if alora:
+            self.enable_alora()
+
+    def enable_alora(self) -> None:
+        """Let Activated LoRA rows run: under a residual policy the step programs then fold
+        their LoRA K/V into the base pool (runtime/paged_attention.py), a variant compiled
+        from here on; other policies need nothing."""
+        if self.residual and not self.alora:
+            self.alora = True
+            self._program = HashOnce((*self._avals, self.residual, self.use_pallas, True))
+            self._exes.clear()
 
     @property
     def model(self):
@@ -275,7 +288,7 @@ class ModelRunner:
 
     def _static(self, kind, all_logits, hidden, layout) -> dict:
         return dict(layout=layout, kind=kind, all_logits=all_logits, hidden=hidden,
-                    residual=self.residual, use_pallas=self.use_pallas, tp=self._tp)
+                    residual=self.residual, use_pallas=self.use_pallas, alora=self.alora, tp=self._tp)
 
     def _host_copies(self, copies):
         """Run the host tier's write-backs and loads (base pool's, residual pool's;

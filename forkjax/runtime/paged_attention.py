@@ -32,11 +32,17 @@ class PagedMeta:
     res_pages: jax.Array  # [B, M] int32
     prefix_lengths: jax.Array  # [B] int32 tokens before this step's chunk
     chunk_lengths: jax.Array  # [B] int32 tokens in the chunk (1 in decode)
-    adapter_ids: jax.Array  # [B] int32 LoRA slot of each request
+    adapter_ids: jax.Array  # [B] int32 LoRA slot whose B attention applies to a row's residual
     # Residual fan-out, F targets a token at most (None in programs without it): [T, F] int32
     # residual slot of each target's row (0: none) and [T, F] int32 its adapter slot
     fan_slots: jax.Array | None = None
     fan_adapters: jax.Array | None = None
+    # [T] bool under a residual policy in programs that may hold Activated LoRA rows (else None):
+    # the token's LoRA K/V goes into its base K/V. An aLoRA request keeps merged K/V in the base
+    # pool, as under `prefix` (its part before the invocation is then the base model's own, which
+    # every aLoRA agent shares exactly), and no residual: attention sees its row as the bare base
+    # model's (adapter id 0, B = 0).
+    fold: jax.Array | None = None
 
 
 class PagedState(NamedTuple):
@@ -63,8 +69,11 @@ def paged_attention(layer, qkv: QKV, batch, state: PagedState, *, kind: str, res
 
     def done(out, pools):
         return out, PagedState(pools, fan_ok if fan_ok is None else fan_ok & checks[0])
-    if kind == "decode" and residual and qkv.proj.lora_path == "fused" and attention.fused_decode_supported(
-            qkv.heads, pools.base_k.shape[-2], pools.res_k.shape[-1], pools.base_k.dtype, **run):
+    # (not with aLoRA rows: the fused kernel reads a row's LoRA slot from adapter_ids, which
+    # theirs give up)
+    if (kind == "decode" and residual and m.fold is None and qkv.proj.lora_path == "fused"
+            and attention.fused_decode_supported(qkv.heads, pools.base_k.shape[-2],
+                                                 pools.res_k.shape[-1], pools.base_k.dtype, **run)):
         # one kernel from the q|k|v GEMM's output to the attention kernel's operands and the
         # K/V to write, where XLA would run several
         b_q = qkv.b("q_proj") if "q_proj" in qkv.proj.lora else None
@@ -81,6 +90,7 @@ def paged_attention(layer, qkv: QKV, batch, state: PagedState, *, kind: str, res
     t = q.shape[0]
     if residual:
         (kb, kr), (vb, vr) = qkv.k(), qkv.v()
+        kb, vb = _fold(qkv, m.fold, kb, vb, kr, vr)
         pools = write(pools, layer, m.base_slots, m.res_slots, kb, vb, kr, vr)
     else:
         keys, values = qkv.merged_kv()
@@ -107,6 +117,17 @@ def paged_attention(layer, qkv: QKV, batch, state: PagedState, *, kind: str, res
             q4, pools.base_k, pools.base_v, m.base_pages, m.prefix_lengths, m.chunk_lengths,
             layer=layer, **run)
     return done(out.reshape(t, hq, hd), pools)
+
+
+def _fold(qkv: QKV, fold, kb, vb, kr, vr):
+    """Base K/V [T, Hkv, D] with the LoRA K/V of the tokens in `fold` [T] bool (None: none)
+    added: residuals kr, vr [T, R]."""
+    if fold is None:
+        return kb, vb
+    k_lora, v_lora = qkv.lora_kv(kr, vr)
+    f = fold[:, None, None]
+    return (jnp.where(f, kb + k_lora.astype(kb.dtype), kb),
+            jnp.where(f, vb + v_lora.astype(vb.dtype), vb))
 
 
 def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list):

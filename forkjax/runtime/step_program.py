@@ -5,12 +5,14 @@ in as `HashOnce`; the parameters as a flat list of leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from forkjax.lora.batched import token_slots
 from forkjax.models.transformer import ForwardBatch
 from forkjax.runtime.input_batch import InputLayout
 from forkjax.runtime.kv_pools import KV_SPECS, copy_pages
@@ -53,7 +55,7 @@ def _forward(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
 
 def _step_body(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
                prev_tokens, *, layout: InputLayout, kind: str, all_logits: bool, hidden: bool,
-               residual: bool, use_pallas: bool):
+               residual: bool, use_pallas: bool, alora: bool):
     """One forward of a bucketed batch; the pools are donated and come back updated.
     packed [layout.size] int32: the step's inputs (input_batch.InputLayout).
     prev_tokens [max_batch] int32: the previous step's sampled tokens, still on the device
@@ -68,12 +70,22 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
     A NaN or inf anywhere upstream (a K, V or LoRA term of any layer) reaches the residual stream
     of its token or of a later one, so the host keeps a chunk out of the trees unless it holds.
     fan_finite[i, j]: every fan-out residual request i wrote for adapter slot j is finite (those
-    never reach its own stream: slot j's A applied to its hidden states may overflow alone)."""
+    never reach its own stream: slot j's A applied to its hidden states may overflow alone).
+
+    alora: an Activated LoRA adapter may be in the batch (under a residual policy its rows
+    fold their LoRA K/V into the base pool: paged_attention.py)."""
     model = nnx.merge(graphdef.value, jax.tree.unflatten(state_def.value, params))
     inputs = layout.unpack(packed)
     rows = inputs.prev_rows
     tokens = jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], inputs.tokens)
-    batch = ForwardBatch(positions=inputs.positions, group_sizes=inputs.group_sizes, attn=inputs.meta)
+    slots = token_slots(inputs.group_sizes, inputs.positions, inputs.lora_starts)
+    meta = inputs.meta
+    if alora and residual:  # aLoRA rows keep merged K/V in the base pool (paged_attention.py)
+        n, activated = inputs.group_sizes.shape[0], inputs.lora_starts >= 0  # [B]
+        tokens_activated = jnp.repeat(activated, slots.shape[0] // activated.shape[0])
+        meta = dataclasses.replace(meta, adapter_ids=jnp.where(activated, 0, meta.adapter_ids),
+                                   fold=tokens_activated & (slots < n))
+    batch = ForwardBatch(positions=inputs.positions, slots=slots, attn=meta)
     attn = functools.partial(paged_attention, kind=kind, residual=residual, use_pallas=use_pallas,
                              inv_freq=model.inv_freq[...])
     fan = inputs.meta.fan_adapters
@@ -100,7 +112,8 @@ def _step_body(graphdef: HashOnce, state_def: HashOnce, params, pools, packed,
 
 
 _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
-            static_argnames=("layout", "kind", "all_logits", "hidden", "residual", "use_pallas", "tp"))
+            static_argnames=("layout", "kind", "all_logits", "hidden", "residual", "use_pallas", "alora",
+                             "tp"))
 # XLA's dot merger concatenates the weights of GEMMs that share an input into one matrix to run
 # one GEMM; the weights are jit arguments, so the concatenation would run on every step. Off.
 # The GEMMs run on cuBLAS at every size: inside the scanned layers a weight is a dynamic slice
