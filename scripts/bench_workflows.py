@@ -48,7 +48,9 @@ Policies: `prefix` (exact; SGLang/vLLM's prefix caching: merged K/V per adapter)
 (the merged K/V of whichever agent came first, shared by all: cheap and wrong), `forkkv` (shared
 base K/V + per-agent residual), `lrshared` (base and residual shared; the agents share their LoRA
 A, as LRAgent requires), `forkkv+fanout` (forkkv whose requests also write the residuals of their
-workflow's other agents). `lrshared` agents share one random A per layer and module; the other
+workflow's other agents), `alora` (Activated LoRA agents under prefix: each agent's cue opens
+with its invocation, before which every agent reads the base model's K/V, exactly; `--alora`
+adds it to --policy). `lrshared` agents share one random A per layer and module; the other
 policies' agents are independent rank-`--rank` adapters on q/k/v/o, one per agent.
 
 Closed loop: --workflows N (or each count of --sweep) slots start their workflows at t=0, and
@@ -135,16 +137,16 @@ from forkjax.models.gguf import PACKAGED
 from forkjax.sizes import size_flag
 from forkjax.workflows import (PATTERNS, PROFILES, TokenSampler, agent_names, get_profile,
                                longest_request, make_workflows, workflow_source)
-from forkjax.workflows.agents import agent_adapters
+from forkjax.workflows.agents import agent_invocations
 from forkjax.workflows.minimal import prefill_tokens_minimal
 from forkjax.workflows.react import TOOL_FORMATS
 from forkjax.workflows.report import summary_line, write_json, write_summary
 from forkjax.workflows.routing import ROUTES
 from forkjax.workflows.runners import InProcess, OverHttp, OverRouter
 from provenance import run_info  # scripts/ is on sys.path when this script runs
-from workflow_engines import PAGE_SIZE, build_engine, build_replay, server_flags
+from workflow_engines import PAGE_SIZE, build_engine, build_replay, engine_policy, policy_adapters, server_flags
 
-POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout")
+POLICIES = ("prefix", "full_reuse", "forkkv", "lrshared", "forkkv+fanout", "alora")
 GPU_KV_BYTES, CPU_KV_BYTES = int(16e9), 64 << 20
 # The GPU's and the replay's max batch: the H200 tables and the replay's step costs were measured
 # at 64; the running batch of these workflows stays below it.
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "round_robin")
     p.add_argument("--policy", default="forkkv", help=f"one or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--residual-fanout", action="store_true", help="run every forkkv as forkkv+fanout")
+    p.add_argument("--alora", action="store_true", help="run the alora policy too: Activated LoRA agents")
     p.add_argument("--residual-fraction", type=float, default=None,
                    help="share of the KV budget for the residual pool (engine default)")
     p.add_argument("--schedule-policy", default="lpm", choices=("lpm", "fifo"))
@@ -242,6 +245,8 @@ def check_args(args) -> tuple[list[str], list[int], dict | None]:
         if "forkkv" not in policies:
             raise ValueError("--residual-fanout applies to the forkkv policy, which --policy lacks")
         policies = list(dict.fromkeys("forkkv+fanout" if s == "forkkv" else s for s in policies))
+    if args.alora:
+        policies = list(dict.fromkeys(policies + ["alora"]))
     try:
         counts = [int(s) for s in args.sweep.split(",")] if args.sweep else [args.workflows or 4]
     except ValueError:
@@ -323,10 +328,11 @@ def total_of(total: str | None, n: int) -> int:
     return m
 
 
-def workflow_shape(args) -> dict:
-    """The shape keywords of `make_workflows` and `workflow_source`."""
+def workflow_shape(args, policy: str) -> dict:
+    """The shape keywords of `make_workflows` and `workflow_source` under `policy`."""
     return dict(seed=args.seed, agents=args.agents, rounds=args.rounds, mappers=args.mappers,
-                groups=args.groups, **({"tool_format": args.tool_format} if args.pattern == "react" else {}))
+                groups=args.groups, **({"tool_format": args.tool_format} if args.pattern == "react" else {}),
+                **({"invocations": args.invocations} if policy == "alora" else {}))
 
 
 def all_agent_names(args) -> list[str]:
@@ -341,7 +347,7 @@ def per_agent_kv(runner, args, policy: str, names: list[str], profile, tokens) -
     """Bytes both pools hold after one workflow ran alone in an empty cache whose budget evicts
     nothing (tool latency changes no KV), divided by its agents."""
     runner.fresh()
-    shape = workflow_shape(args)
+    shape = workflow_shape(args, policy)
     _, one = runner.run(make_workflows(args.pattern, 1, profile, tokens, **shape), desc=f"{policy} x1 KV")
     return (one["base_bytes_used"] + one["residual_bytes_used"]) / args.agents_per_workflow
 
@@ -350,7 +356,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
               max_batch_size: int) -> dict:
     """One timed run of `n` slots over `args.totals[n]` workflows on an engine of `page_size`
     and `max_batch_size` (as it resolved them)."""
-    shape = workflow_shape(args)
+    shape = workflow_shape(args, policy)
     total = args.totals[n]
     runner.fresh()
     if args.step_log:
@@ -361,8 +367,9 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
     result, stats = runner.run(source, desc=f"{policy} x{n}" + (f" ({total} in all)" if total > n else ""))
     wall_s = time.perf_counter() - t
     steps = {"steps": runner.engine.metrics.record_steps(False)} if args.step_log else {}
-    minimal = prefill_tokens_minimal(result.records, policy.removesuffix("+fanout"), page_size,
-                                     fanout=policy == "forkkv+fanout")
+    minimal = prefill_tokens_minimal(result.records, engine_policy(policy), page_size,
+                                     fanout=policy == "forkkv+fanout",
+                                     invocations=args.invocations if policy == "alora" else None)
     prompt = stats["prompt_tokens"]
     computed = stats.get("prefill_tokens_computed")
     per_replica = {"per_replica": stats["per_replica"]} if "per_replica" in stats else {}
@@ -389,6 +396,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = describe_model(args.model)[0]
     tokens = TokenSampler.for_model(cfg)
     names = all_agent_names(args)
+    args.invocations = agent_invocations(cfg, names)  # the alora policy's agents'
     longest = longest_request(args.pattern, profile, agents=args.agents, rounds=args.rounds,
                               mappers=args.mappers)
     max_model_len = -(-longest // 1024) * 1024
@@ -441,7 +449,7 @@ def over_http(args, policy: str, counts, names, cfg, max_model_len, profile, tok
     from its start, so each count gets a fresh one. The KV per agent is measured on the first,
     after its run."""
     from forkjax.workflows.local_server import ServerProcess, lora_flags  # the serve extra: httpx
-    adapters = agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared")
+    adapters = policy_adapters(args, policy, names, cfg)
     kv = None
     with tempfile.TemporaryDirectory(prefix="forkjax-agents-") as root:
         flags = [*server_flags(args, policy, names, max_model_len), *lora_flags(adapters, root)]
@@ -468,7 +476,7 @@ def over_router(args, policy: str, counts, names, cfg, max_model_len, profile, t
     runner = OverRouter(args.router, policy == "forkkv+fanout", args.session_hints,
                         os.environ.get("OPENAI_API_KEY"))
     root = os.path.join(os.path.abspath(args.out), "agents")
-    for name, adapter in agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared").items():
+    for name, adapter in policy_adapters(args, policy, names, cfg).items():
         path = save_peft_adapter(adapter, os.path.join(root, name))
         for w in runner.workers:
             httpx.post(f"{w}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,

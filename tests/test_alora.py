@@ -161,3 +161,22 @@ def test_host_tier_salts_and_sessions_keep_the_sharing_exact(alora_suite):
     assert s["prefill_tokens_computed"] - computed == len(tail), s
     assert out == want and s["host_hit_tokens"] >= len(prefix), s
     engine.cache.check()
+
+
+def test_a_session_keeps_an_agents_base_part_and_frees_what_followed_its_invocation(alora_suite):
+    """ReAct-style turns: each invokes its agent again after the last turn's output, so what
+    followed the last invocation is never read again: freed when the turn ends, its base part
+    held for the next turn, which computes only what is new."""
+    base, adapters = alora_suite["llama"]
+    engine = _engine(base, adapters, "prefix")
+    vocab, S = engine.model_cfg.vocab_size, engine.cache.page_size
+    prompt = _prompt(21, 64, vocab) + INVOCATIONS["inv1"] + _prompt(22, 5, vocab)
+    out = engine.generate([prompt], adapters=["inv1"], max_new_tokens=24, ignore_eos=True,
+                          session_id="w")[0]
+    # the 64 context tokens (4 pages) held; the invocation's page on is gone
+    assert engine.stats()["base_pages_used"] == 64 // S
+    computed = engine.stats()["prefill_tokens_computed"]
+    turn = prompt + out + _prompt(23, 7, vocab) + INVOCATIONS["inv1"] + _prompt(24, 3, vocab)
+    engine.generate([turn], adapters=["inv1"], max_new_tokens=4, ignore_eos=True, session_id="w")
+    assert engine.stats()["prefill_tokens_computed"] - computed == len(turn) - 64
+    engine.cache.check()

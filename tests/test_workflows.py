@@ -442,7 +442,7 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
     # Prompts off page boundaries, slots refilled; the CPU default pool (64 MiB) holds everything.
     # No prompt is 1 past a multiple of the 16-token chunks: a prompt chunked up to its last token
     # leaves that one to a decode step, which prefill_tokens_computed does not count.
-    argv = [*SMOKE[:-1], "prefix,forkkv,forkkv+fanout", "--context", "45", "--gen", "5", "--obs", "3",
+    argv = [*SMOKE[:-1], "prefix,forkkv,forkkv+fanout,alora", "--context", "45", "--gen", "5", "--obs", "3",
             "--total", "5", "--pattern", pattern, "--step-log", "--out", str(tmp_path)]
     rows = bench_workflows().main(argv)
     for r in rows:
@@ -455,6 +455,10 @@ def test_engine_computes_the_minimal_prefill_in_a_pool_that_never_evicts(tmp_pat
         assert sum(s[2] for s in r["steps"]) >= r["prefill_tokens_computed"]
     by = {r["policy"]: r["prefill_tokens_minimal"] for r in rows}
     assert by["forkkv+fanout"] < by["forkkv"] <= by["prefix"]
+    # Activated LoRA agents share the base model's K/V of everything before their cue, exactly
+    assert by["alora"] < by["prefix"]
+    kv = {r["policy"]: r["per_agent_kv_bytes"] for r in rows}
+    assert kv["alora"] < kv["prefix"]
 
 
 def test_bench_single_run_over_http(tmp_path):

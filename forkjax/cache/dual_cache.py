@@ -139,11 +139,13 @@ class DualRadixCache:
             out.append((self.res_tree, length, node))
         return out
 
-    def retire(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> None:
-        """Nothing will ask for the paths of `tokens` again, in any namespace a request of
-        `adapter_key` (writing `fanout_keys`' residuals) reads (`RadixTree.retire`)."""
+    def retire(self, tokens, adapter_key: Hashable = None, fanout_keys=(), beyond: int = 0,
+               drop: bool = False) -> None:
+        """Nothing will ask for the paths of `tokens` again (from token `beyond` on), in any
+        namespace a request of `adapter_key` (writing `fanout_keys`' residuals) reads
+        (`RadixTree.retire`; `drop`: freed now where no one else holds them)."""
         for tree, _, node in self.match_all(tokens, adapter_key, fanout_keys):
-            tree.retire(node)
+            tree.retire(node, beyond, drop)
 
     def match_lengths(self, tokens, adapter_key: Hashable = None, fanout_keys=()) -> list[int]:
         return [length for _, length, _ in self.match_all(tokens, adapter_key, fanout_keys)]

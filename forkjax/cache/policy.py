@@ -86,6 +86,22 @@ def unsalted(key: Hashable) -> Hashable:
     return key.key if isinstance(key, Salted) else key
 
 
+def agent_key(key: Hashable) -> Hashable:
+    """A request's cache key less what is the request's own (an Activated LoRA request's
+    invocation position: `start` -1): its agent's identity across a workflow's turns."""
+    if isinstance(key, Salted):
+        return Salted(key.salt, agent_key(key.key))
+    return Activated(key.key, key.tag, -1) if isinstance(key, Activated) else key
+
+
+def shared_part(tokens, key: Hashable):
+    """What of a request's tokens another request of its agent may reuse however it goes on:
+    an Activated LoRA request's path up to its invocation (a later turn that invokes the adapter
+    again leaves it there), every token of another's."""
+    act = unsalted(key)
+    return tokens[:act.start] if isinstance(act, Activated) else tokens
+
+
 def key_tokens(tokens, adapter_key: Hashable) -> np.ndarray:
     """The radix-tree key [len(tokens)] int32 of a request's tokens: the tokens, but for an
     Activated LoRA request those from its invocation on tagged with its adapter (a key passes

@@ -278,12 +278,13 @@ class RadixTree(HostTier):
         self._detach(node)
         return own
 
-    def retire(self, node: TreeNode, beyond: int = 0) -> None:
+    def retire(self, node: TreeNode, beyond: int = 0, drop: bool = False) -> None:
         """The path to `node` will not be asked for again (its workflow ended), or its nodes
         that start at or after token `beyond` (its holder's next request left the path there):
         those of them no one else locks or holds leave the host now (host nodes with what is
         below them, the host copies of device nodes) and are evicted first from the device,
-        without a write-back. A match that reaches one revives it."""
+        without a write-back; with `drop` those that are device leaves are freed now. A match
+        that reaches one revives it."""
         while (node.parent is not None and node.alive and node.start >= beyond
                and node.lock_ref == 0 and node.hold_ref == 0):
             parent = node.parent
@@ -294,7 +295,9 @@ class RadixTree(HostTier):
                     self._drop_host_subtree(child)
                 self._drop_backup(node)
                 node.retired, node.last_access = True, 0
-                if node.device_leaf():
+                if drop and node.device_leaf():
+                    self.evicted_pages += self._delete_leaf(node)
+                elif node.device_leaf():
                     self._push(node)
             node = parent
 

@@ -9,6 +9,7 @@ tokenizer of the built-in models or a checkpoint's fast HF tokenizer (`llguidanc
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import llguidance as llg
@@ -51,6 +52,34 @@ def ll_tokenizer(tokenizer, vocab_size: int) -> llg.LLTokenizer:
     return _TOKENIZERS[tokenizer]
 
 
+@functools.cache
+def _executor() -> llg.LLExecutor:
+    """llguidance's thread pool (80% of the host's cores, at most 32): a batch's masks are
+    computed in parallel, outside the GIL."""
+    return llg.LLExecutor()
+
+
+def fill_masks(guides: list[tuple[Guide, int]], masks: np.ndarray) -> None:
+    """Write the rows of masks ([B, W] int32, C-contiguous) of `guides` (guide, row) at once: a
+    stopped matcher's row allows every token (its request has ended: that token is dropped). A
+    matcher in several rows is computed once (the pool borrows each matcher once)."""
+    first: dict[int, int] = {}  # id(matcher) -> the row computed
+    live, copies = [], []
+    for guide, i in guides:
+        m = guide.matcher
+        if m.is_stopped():
+            masks[i] = -1
+        elif id(m) in first:
+            copies.append((first[id(m)], i))
+        else:
+            first[id(m)] = i
+            live.append((m, i))
+    if live:
+        llg_np.fill_next_token_bitmask_par(_executor(), live, masks)
+    for src, dst in copies:
+        masks[dst] = masks[src]
+
+
 class Guide:
     """One request's matcher. Raises ValueError (naming what failed) if the grammar does not
     compile."""
@@ -61,14 +90,6 @@ class Guide:
         self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)  # errors: its error state
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
-
-    def fill_mask(self, masks: np.ndarray, i: int) -> None:
-        """Write row i of masks ([B, W] int32) with the tokens the grammar allows next; a
-        matcher that stopped allows every token (its request has ended: that token is dropped)."""
-        if self.matcher.is_stopped():
-            masks[i] = -1
-        else:
-            llg_np.fill_next_token_bitmask(self.matcher, masks, i)
 
     def advance(self, token: int) -> None:
         """Consume a sampled token (GuidedDecodingError if the grammar refuses it)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.engine.guided import GuidedDecodingError
+from forkjax.engine.guided import GuidedDecodingError, fill_masks
 from forkjax.engine.sequence import NonFiniteError, Status
 from forkjax.runtime.batch import ScheduledBatch
 
@@ -28,9 +28,8 @@ class SchedulerOutputProcessorMixin:
         its matcher (whose tokens are all known: engine_core.py waits for them), all tokens
         allowed in the other rows."""
         masks = np.full((len(batch.seqs), width), -1, np.int32)
-        for i, seq in enumerate(batch.seqs):
-            if seq.guide is not None and seq.status is Status.RUNNING:
-                seq.guide.fill_mask(masks, i)
+        fill_masks([(seq.guide, i) for i, seq in enumerate(batch.seqs)
+                    if seq.guide is not None and seq.status is Status.RUNNING], masks)
         return masks
 
     def on_launched(self, batch: ScheduledBatch) -> None:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from forkjax.cache import DualRadixCache, PrefixHold
+from forkjax.cache.policy import agent_key, shared_part
 from forkjax.cache.tree_node import common_prefix_len
 
 # Seconds a session keeps its pages held after its last request ended, unless a request ended it
@@ -152,9 +153,10 @@ class Sessions:
             self.gaps.append(self.clock() - s.idle_since)
             self.longest_gap = max(self.gaps)
         s.idle_since = s.next_at = None
+        agent = agent_key(seq.adapter_key)
         if s.last_key is not None:
-            s.successor[s.last_key] = seq.adapter_key
-        s.last_key = seq.adapter_key
+            s.successor[s.last_key] = agent
+        s.last_key = agent
         if seq.req.session_next_s is not None:
             s.pause_s = seq.req.session_next_s
         target = len(seq.prompt) + seq.params.max_new_tokens
@@ -163,7 +165,7 @@ class Sessions:
         for pool, ns in seq.key_ns:
             s.grow(pool, ns, prompt, target)
         s.live_paths[seq.id] = tuple(sum(p == pool for p, _ in seq.key_ns) for pool in POOLS)
-        old = s.holds.pop(seq.adapter_key, None)
+        old = s.holds.pop(agent, None)
         if old is not None:
             # The new request holds what it reuses of that agent's path; where its prompt leaves
             # the path, the rest is abandoned (parallel rounds: the next history reads an
@@ -180,11 +182,15 @@ class Sessions:
         s.live_paths.pop(seq.id, None)
         s.ending |= seq.session_end
         if tokens is not None and s.admitted and not s.ending:
-            old = s.holds.pop(seq.adapter_key, None)
+            # (an Activated LoRA agent's next turn invokes it again after this one's tokens:
+            # its path past this invocation is freed, its base part held)
+            agent, shared = agent_key(seq.adapter_key), shared_part(tokens, seq.adapter_key)
+            old = s.holds.pop(agent, None)
             if old is not None:
                 old.release()
-            s.holds[seq.adapter_key] = PrefixHold(self.cache, tokens, seq.adapter_key,
-                                                  list(seq.fanout.values()))
+            if len(shared) < len(tokens):
+                self.cache.retire(tokens, seq.adapter_key, beyond=len(shared), drop=True)
+            s.holds[agent] = PrefixHold(self.cache, shared, seq.adapter_key, list(seq.fanout.values()))
         if s.ending and tokens is not None:
             # Nothing asks for this path again, whichever of the session's last requests (they
             # may run at once) it is: the parts no live request locks are retired.

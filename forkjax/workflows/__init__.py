@@ -33,21 +33,24 @@ def agent_names(pattern: str, *, agents: int = 3, mappers: int = 4, group: int |
 
 def workflow_maker(pattern: str, profile: Profile, tokens: TokenSampler, *, seed: int = 0,
                    agents: int = 3, rounds: int = 4, mappers: int = 4, groups: int = 0,
-                   tool_latency: float = 0.0, tool_format: str = "text") -> Callable[[int], Workflow]:
+                   tool_latency: float = 0.0, tool_format: str = "text",
+                   invocations: dict | None = None) -> Callable[[int], Workflow]:
     """i -> workflow `wf{i}` of one shape, drawn from Generator((seed, i)): workflow i is the
     same however many run and whenever it starts. `groups` G > 0: workflow i's agents are
-    group i % G's own adapters (`agent_names(..., group=i % G)`)."""
+    group i % G's own adapters (`agent_names(..., group=i % G)`). `invocations` {agent: token
+    ids}: Activated LoRA agents, whose cues open with their invocations."""
     named = lambda i: agent_names(pattern, agents=agents, mappers=mappers,  # noqa: E731
                                   group=i % groups if groups else None)
     rng = lambda i: np.random.default_rng((seed, i))  # noqa: E731
     if pattern == "react":
-        return lambda i: ReActWorkflow(i, named(i), rounds, profile, tokens, rng(i), tool_latency, tool_format)
+        return lambda i: ReActWorkflow(i, named(i), rounds, profile, tokens, rng(i), tool_latency, tool_format,
+                                       invocations)
     if tool_latency or tool_format != "text":
         raise ValueError("tool_latency and tool_format apply to ReAct only (the other patterns call no "
                          "tools)")
     if pattern == "parallel":
-        return lambda i: ParallelWorkflow(i, named(i), rounds, profile, tokens, rng(i))
-    return lambda i: MapReduceWorkflow(i, named(i)[:-1], named(i)[-1], profile, tokens, rng(i))
+        return lambda i: ParallelWorkflow(i, named(i), rounds, profile, tokens, rng(i), invocations)
+    return lambda i: MapReduceWorkflow(i, named(i)[:-1], named(i)[-1], profile, tokens, rng(i), invocations)
 
 
 def make_workflows(pattern: str, n: int, profile: Profile, tokens: TokenSampler, **shape) -> list[Workflow]:

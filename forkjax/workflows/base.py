@@ -39,6 +39,12 @@ class TurnRequest:
     guided_json: dict | None = None
 
 
+def invoked(cue: list[int], invocation) -> list[int]:
+    """An agent's cue with its first tokens its Activated LoRA invocation (None: as it is): the
+    adapter acts from there on, what precedes is the base model's, shared by every agent."""
+    return cue if invocation is None else list(invocation) + cue[len(invocation):]
+
+
 class Workflow(abc.ABC):
     session_id: str
     agents: tuple[str, ...]  # adapter names of its agents

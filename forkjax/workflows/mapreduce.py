@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
+from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow, invoked
 from forkjax.workflows.profiles import Profile
 
 
 class MapReduceWorkflow(Workflow):
     def __init__(self, index: int, mappers, reducer: str, profile: Profile, tokens: TokenSampler,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, invocations: dict | None = None):
+        """`invocations` {agent: token ids}: Activated LoRA agents, each instruction opening with
+        its agent's invocation (base.invoked)."""
         mappers = tuple(mappers)
         agents = mappers + (reducer,)
         if not mappers or len(set(agents)) != len(agents):
@@ -32,7 +34,9 @@ class MapReduceWorkflow(Workflow):
         self.mappers, self.reducer, self.profile = mappers, reducer, profile
         self.agents, self.num_turns, self.turns_done = agents, len(agents), 0
         self.document = tokens.draw(rng, profile.context.sample(rng))            # [context]
-        self.instructions = [tokens.draw(rng, profile.instruction.sample(rng)) for _ in agents]
+        invocations = invocations or {}
+        self.instructions = [invoked(tokens.draw(rng, profile.instruction.sample(rng)), invocations.get(a))
+                             for a in agents]
         self.gens = [profile.gen.sample(rng) for _ in agents]
         self.outputs: list[list[int] | None] = [None] * len(mappers)            # [gen_i] each
         self._issued = 0  # calls handed out

@@ -29,14 +29,16 @@ from collections.abc import Iterable
 import numpy as np
 
 from forkjax.cache import DualRadixCache
+from forkjax.lora.activated import named_key
 from forkjax.workflows.results import RequestRecord
 
 
 def prefill_tokens_minimal(records: Iterable[RequestRecord], policy: str, page_size: int, *,
-                           fanout: bool = False) -> int:
+                           fanout: bool = False, invocations: dict | None = None) -> int:
     """Prompt positions the run of `records` computes when nothing is evicted. `policy`: the
     cache policy (`forkkv+fanout` is `forkkv` with `fanout=True`: each request also writes the
-    residuals of its `fanout_adapters`). Adapters are told apart by name."""
+    residuals of its `fanout_adapters`). Adapters are told apart by name; `invocations` {name:
+    token ids}: Activated LoRA agents (their keys `Activated`, as the engine makes them)."""
     records = list(records)
     if any(len(r.prompt_ids) != r.prompt_tokens for r in records):
         raise ValueError("records without their token ids: the drivers keep them")
@@ -47,12 +49,14 @@ def prefill_tokens_minimal(records: Iterable[RequestRecord], policy: str, page_s
     events = sorted([(r.submit_s, 1, r.order, i) for i, r in enumerate(records)]
                     + [(r.finish_s, 0, r.order, i) for i, r in enumerate(records)])
     handles, total = {}, 0
+    invocations = invocations or {}
     for _, submit, _, i in events:
         r = records[i]
         n = len(r.prompt_ids)
         if submit:
             targets = {j + 1: a for j, a in enumerate(r.fanout_adapters) if a != r.adapter}
-            h = handles[i] = cache.begin(r.prompt_ids, r.adapter, fanout=targets if fanout else None)
+            h = handles[i] = cache.begin(r.prompt_ids, named_key(r.adapter, r.prompt_ids, invocations),
+                                         fanout=targets if fanout else None)
             total += n - h.cached_len if h.cached_len < n - 1 else 0
             h.reserve(n)
             h.commit(r.prompt_ids)

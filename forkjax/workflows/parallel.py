@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
+from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow, invoked
 from forkjax.workflows.profiles import Profile
 
 
 class ParallelWorkflow(Workflow):
     def __init__(self, index: int, agents, rounds: int, profile: Profile, tokens: TokenSampler,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, invocations: dict | None = None):
+        """`invocations` {agent: token ids}: Activated LoRA agents (base.invoked)."""
         agents = tuple(agents)
         if not agents or len(set(agents)) != len(agents):
             raise ValueError(f"agents={agents!r}: expected distinct adapter names")
@@ -39,7 +40,9 @@ class ParallelWorkflow(Workflow):
         self.agents, self.rounds = agents, rounds
         self.num_turns, self.turns_done = len(agents) * rounds, 0
         self.context = tokens.draw(rng, profile.context.sample(rng))             # [context]
-        self.cues = [tokens.draw(rng, profile.instruction.sample(rng)) for _ in agents]
+        invocations = invocations or {}
+        self.cues = [invoked(tokens.draw(rng, profile.instruction.sample(rng)), invocations.get(a))
+                     for a in agents]
         self.gens = [[profile.gen.sample(rng) for _ in agents] for _ in range(rounds)]  # [R][N]
         self.history: list[int] = []
         self._answers: list[list[int] | None] = []  # the round in flight's, by agent

@@ -26,6 +26,9 @@ its final length is known before it runs:
 (the last turn's prompt and generation). The observation tokens are drawn with the same
 Generator when each turn finishes, in turn order.
 
+`invocations` {agent: token ids}: Activated LoRA agents, each cue opening with its agent's
+invocation (base.invoked).
+
 `tool_format="json"`: each turn's action is a JSON tool call (`TOOL_CALL_SCHEMA`) that the
 engine's constrained decoding enforces, instead of free text: a turn then ends when its call's
 JSON is complete, at most gen_k tokens, so the history grows by what the turns generated and
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow
+from forkjax.workflows.base import TokenSampler, TurnRequest, Workflow, invoked
 from forkjax.workflows.profiles import Profile
 
 TOOL_FORMATS = ("text", "json")
@@ -48,7 +51,8 @@ TOOL_CALL_SCHEMA = {"type": "object", "additionalProperties": False, "required":
 
 class ReActWorkflow(Workflow):
     def __init__(self, index: int, agents, rounds: int, profile: Profile, tokens: TokenSampler,
-                 rng: np.random.Generator, tool_latency: float = 0.0, tool_format: str = "text"):
+                 rng: np.random.Generator, tool_latency: float = 0.0, tool_format: str = "text",
+                 invocations: dict | None = None):
         agents = tuple(agents)
         if not agents or len(set(agents)) != len(agents):
             raise ValueError(f"agents={agents!r}: expected distinct adapter names")
@@ -63,7 +67,9 @@ class ReActWorkflow(Workflow):
         self.agents, self.num_turns, self.turns_done = agents, len(agents) * rounds, 0
         self.profile, self.tokens, self.rng, self.tool_latency = profile, tokens, rng, tool_latency
         self.context = tokens.draw(rng, profile.context.sample(rng))             # [context]
-        self.cues = {a: tokens.draw(rng, profile.instruction.sample(rng)) for a in agents}
+        invocations = invocations or {}
+        self.cues = {a: invoked(tokens.draw(rng, profile.instruction.sample(rng)), invocations.get(a))
+                     for a in agents}
         self.gens = [profile.gen.sample(rng) for _ in range(self.num_turns)]       # [num_turns]
         self.obs = [profile.obs.sample(rng) for _ in range(self.num_turns - 1)]    # [num_turns - 1]
         self.history: list[int] = []                                       # [sum(cue+gen+obs)]

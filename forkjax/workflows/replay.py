@@ -58,6 +58,7 @@ from forkjax.engine.scheduler import Scheduler
 from forkjax.engine.sequence import Request, SamplingParams, Sequence
 from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.stats import EngineStats
+from forkjax.lora.activated import named_key
 from forkjax.lora.peft import LoraAdapter
 from forkjax.lora.slots import AdapterSlots
 from forkjax.models.builtin import BUILTIN_CONFIGS
@@ -186,7 +187,8 @@ class ReplayEngine:
                  residual_copies: int | None = None,
                  schedule_policy: str = "lpm", max_wait_s: float = 60.0,
                  session_ttl_s: float = SESSION_TTL_S, host_kv_bytes: int = 0,
-                 max_loras: int | None = None, cost: StepCost | None = None, seed: int = 0):
+                 max_loras: int | None = None, cost: StepCost | None = None, seed: int = 0,
+                 invocations: dict | None = None):
         cfg = (model if isinstance(model, ModelConfig)
                else ModelConfig.from_hf(BUILTIN_CONFIGS.get(model, model)))
         self.model_cfg, self.agents = cfg, tuple(agents)
@@ -195,6 +197,7 @@ class ReplayEngine:
         self.slots = AdapterSlots(max_loras or len(self.agents) + 1)
         for name in self.agents:
             self.slots.add(LoraAdapter(name, rank, 1.0, {}))
+        self.invocations = invocations or {}  # Activated LoRA agents: {name: invocation}
         self.slots.acquire(self.agents[:self.slots.num_slots - 1])
         self.policy, self.residual_fanout = cache_policy, residual_fanout
         layout = PoolLayout.from_budget(
@@ -234,7 +237,8 @@ class ReplayEngine:
             self.slots.check(a)
         if fanout and self.policy != "forkkv":
             raise ValueError(f"residual fan-out needs cache_policy='forkkv', not {self.policy!r}")
-        seq = Sequence(Request(tuple(prompt), adapter, adapter, params or SamplingParams(),
+        seq = Sequence(Request(tuple(prompt), adapter, named_key(adapter, prompt, self.invocations),
+                               params or SamplingParams(),
                                session_id=session_id, session_end=session_end,
                                session_tokens=session_tokens, session_next_s=session_next_s,
                                fanout=tuple(fanout.items())))
