@@ -9,7 +9,9 @@ question per agent role whose answer a program checks.
 is the model); `scripts/bench_fidelity.py` measures how each cache policy changes the answers
 when the directory's K/V was computed by another agent. A prompt is the chat template around one
 user message, the directory then the question, tokenized as two pieces (`Prompt.context`,
-`Prompt.task`) so every agent's prompt starts with the same context tokens.
+`Prompt.task`) so every agent's prompt starts with the same context tokens. The aLoRA form of a
+task (Activated LoRA: an adapter that acts only from its invocation on) opens the question with
+the role's invocation, `INVOCATIONS`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import re
 import numpy as np
 
 ROLES = ("extractor", "critic", "caller")
+# Each role's aLoRA invocation: its agent acts from the last occurrence of these tokens on, the
+# base model before. Each starts a line and ends with a newline, and byte-level BPE never merges
+# across a newline (nor a letter with the newline before it): its tokens are the same alone and
+# inside a prompt's text.
+INVOCATIONS = {"extractor": "Extractor:\n", "critic": "Critic:\n", "caller": "Caller:\n"}
 _FIRST = ("Ana", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
           "Kira", "Liam", "Maya", "Nico", "Olga", "Pavel", "Quinn", "Rosa", "Sami", "Tara",
           "Umar", "Vera", "Wen", "Yara", "Zane", "Aiko", "Bruno", "Chloe", "Dmitri", "Esme")
@@ -113,11 +120,21 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def invocation_ids(tokenizer, role: str) -> list[int]:
+    """The token ids of `role`'s aLoRA invocation (`tokenizer`: HF's)."""
+    return encode(tokenizer, INVOCATIONS[role])
+
+
 def make_prompt(tokenizer, role: str, records: list[Record], rng: np.random.Generator,
-                context: list[int] | None = None) -> Prompt:
-    """One task of `role` on `records` (pass `context`, the directory's tokens, to reuse them)."""
+                context: list[int] | None = None, alora: bool = False) -> Prompt:
+    """One task of `role` on `records` (pass `context`, the directory's tokens, to reuse them).
+    `alora`: the aLoRA form, whose task starts with the role's invocation: its adapter then acts
+    on the question, the assistant's turn and the answer, and the context stays the base
+    model's."""
     head, tail = chat_pieces(tokenizer)
     question, expected = task(role, records, rng)
+    if alora:
+        question = INVOCATIONS[role] + question
     ctx = context if context is not None else encode(tokenizer, head + context_text(records))
     end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     return Prompt(role, ctx, encode(tokenizer, question + tail), encode(tokenizer, expected) + [end],
