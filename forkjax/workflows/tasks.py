@@ -155,10 +155,11 @@ def directory_for_tokens(tokenizer, rng: np.random.Generator, tokens: int) -> li
 
 
 def fidelity_lines(tokenizer, roles: list[str], contexts: list[int], directories: int = 1,
-                   per_reader: int = 3, seed: int = 0) -> list[dict]:
+                   per_reader: int = 3, seed: int = 0, alora: bool = False) -> list[dict]:
     """The directory tasks as `python -m forkjax.fidelity` JSONL objects (text fields; the
     checks `correct` applies): per context length and directory, one role writes (each in
-    turn) and every other role asks `per_reader` questions. `tokenizer`: HF's."""
+    turn) and every other role asks `per_reader` questions. `tokenizer`: HF's. `alora`: their
+    aLoRA form, each question opening with its reader's invocation."""
     head, tail = chat_pieces(tokenizer)
     lines = []
     for n in contexts:
@@ -169,6 +170,8 @@ def fidelity_lines(tokenizer, roles: list[str], contexts: list[int], directories
                 rng = np.random.default_rng([seed, n, j, roles.index(reader)])
                 for _ in range(per_reader):
                     question, expected = task(reader, records, rng)
+                    if alora:
+                        question = INVOCATIONS[reader] + question
                     lines.append(dict(context=head + context_text(records), task=question + tail,
                                       answer=expected, writer=writer, reader=reader,
                                       check=_check(reader, expected)))
