@@ -24,9 +24,8 @@ import numpy as np
 
 ROLES = ("extractor", "critic", "caller")
 # Each role's aLoRA invocation: its agent acts from the last occurrence of these tokens on, the
-# base model before. Each starts a line and ends with a newline, and byte-level BPE never merges
-# across a newline (nor a letter with the newline before it): its tokens are the same alone and
-# inside a prompt's text.
+# base model before. Each follows a newline and ends with one, and SmolLM2's pre-tokenizer never
+# joins a newline to a word: its tokens are the same alone and inside a prompt's text.
 INVOCATIONS = {"extractor": "Extractor:\n", "critic": "Critic:\n", "caller": "Caller:\n"}
 _FIRST = ("Ana", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
           "Kira", "Liam", "Maya", "Nico", "Olga", "Pavel", "Quinn", "Rosa", "Sami", "Tara",
