@@ -22,7 +22,10 @@ DIR/tasks.jsonl). forkjax.fidelity compares each policy as served with exact (ea
 readers' own residuals; `forkkv+fanout` has the writer write the readers' residuals too;
 `full_reuse` reads the writer's merged K/V; `lrshared` runs the shared-A agents (one A, own B),
 against exact on those same agents (its `prefix` row: `prefix/shared-a`); `base` is the base
-model without any adapter, the adapters' own effect on the answers. Float32 throughout.
+model without any adapter, the adapters' own effect on the answers; with --alora, `alora` runs
+the Activated LoRA agents (train_agents.py --alora) on the tasks' aLoRA form, the base model's
+K/V of the directory shared by every agent, against each task alone (`prefix` serves them so:
+exact by construction, the row checks it). Float32 throughout.
 
 Writes DIR/fidelity.json ({"policies": {name: {...}}, "sweep": [...], ...}: `policies` is the
 first adapter set over every context, the sweep every policy at every (rank, context length)
@@ -67,6 +70,8 @@ def main(argv=None):
     ap.add_argument("--kv-cache-bytes", type=size_flag, default=1 << 30)
     ap.add_argument("--scales", default="", help="adapter strengths (factors on B, e.g. "
                     "0.25,0.5,1,2): every set's runs for the strength curve (strength.png)")
+    ap.add_argument("--alora", action="store_true", help="the Activated LoRA agents too (alora/): "
+                    "their row `alora`, served sharing the base model's K/V of the directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="fidelity_out")
     args = ap.parse_args(argv)
@@ -85,7 +90,10 @@ def main(argv=None):
             sys.exit(f"--adapters {root}: no trained agents (<role>/adapter_config.json) there")
         if "lrshared" in policies and not shared:
             sys.exit(f"--adapters {root}: no shared-a/ agents for lrshared; leave it out of --policies")
-        sets.append((own, shared))
+        alora = trained_adapters("smollm2-135m", root=root, alora=True) if args.alora else {}
+        if args.alora and not alora:
+            sys.exit(f"--adapters {root}: no alora/ agents for --alora")
+        sets.append((own, shared, alora))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     tokenizer = GGUFCheckpoint(packaged_path("smollm2-135m")).tokenizer().tok
@@ -94,17 +102,19 @@ def main(argv=None):
                   command=" ".join(["python", *sys.argv]), seconds={}, policies={}, sweep=[],
                   strength=[])
     served = [p for p in policies if p != "lrshared"]
-    for k, (own, shared) in enumerate(sets):
+    for k, (own, shared, alora) in enumerate(sets):
         rank, label = adapter_rank(own), set_label(own)
-        runs = [("", own, served)] + ([("-shared-a", shared, ["lrshared"])] if "lrshared" in policies else [])
+        runs = ([("", own, served)] + ([("-shared-a", shared, ["lrshared"])] if "lrshared" in policies else [])
+                + ([("-alora", alora, ["prefix"])] if alora else []))
         for suffix, adapters, names in runs:
             t = time.perf_counter()
             r, lines = run_fidelity(os.path.join(args.out, f"{label}{suffix}"), adapters, names,
-                                    tokenizer, args)
+                                    tokenizer, args, alora=suffix == "-alora")
             result["seconds"][f"{label}{suffix}"] = time.perf_counter() - t
             context_of = {n + 1: c for n, c in enumerate(_contexts(lines, args))}  # by line
             for policy, rows in r["per_task"].items():
-                name = "prefix/shared-a" if suffix and policy == "prefix" else policy
+                name = {"-shared-a": "prefix/shared-a", "-alora": "alora"}.get(suffix, policy) \
+                    if policy == "prefix" else policy
                 if k == 0:
                     result["policies"][name] = r["policies"][policy]
                 for n in args.contexts:
@@ -113,7 +123,7 @@ def main(argv=None):
                                                 **summarize(pick, args.seed)))
     # ForkKV Fig. 5's relation: each policy's loss against the adapters' own effect (`base`'s
     # KL), every set's B scaled.
-    for own, _ in sets if args.scales else []:
+    for own, *_ in sets if args.scales else []:
         label = set_label(own)
         for scale in args.scales:
             t = time.perf_counter()
@@ -134,11 +144,14 @@ def main(argv=None):
               f"{r['greedy_agreement']:.3f}  last-layer cosine {r['layer_cosine'][-1]:.4f}")
 
 
-def run_fidelity(out: str, adapters: dict, policies: list[str], tokenizer, args, scale: float = 1.0):
-    """python -m forkjax.fidelity on the directory tasks of `adapters` ({role: dir}), output in
-    `out` -> (its result, the task lines)."""
+def run_fidelity(out: str, adapters: dict, policies: list[str], tokenizer, args, scale: float = 1.0,
+                 alora: bool = False):
+    """python -m forkjax.fidelity on the directory tasks of `adapters` ({role: dir}; `alora`:
+    Activated LoRA agents, on the tasks' aLoRA form), output in `out` -> (its result, the task
+    lines)."""
     os.makedirs(out, exist_ok=True)
-    lines = fidelity_lines(tokenizer, list(adapters), args.contexts, args.directories, args.tasks, args.seed)
+    lines = fidelity_lines(tokenizer, list(adapters), args.contexts, args.directories, args.tasks, args.seed,
+                           alora=alora)
     with open(os.path.join(out, "tasks.jsonl"), "w", encoding="utf-8") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
     r = fidelity(["--model", "smollm2-135m", "--prompts", os.path.join(out, "tasks.jsonl"),

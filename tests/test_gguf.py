@@ -11,16 +11,10 @@ import pytest
 import torch
 
 import forkjax
-from forkjax.models.gguf import packaged_path
 from hf_utils import hf_greedy, hf_logits, make_base, rel_err
 
 SMALL = dict(warmup=False, max_model_len=512, max_batch_size=4, kv_cache_bytes=64 << 20)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smol_file():
-    return packaged_path("smollm2-135m")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Exact computes each task alone in a flushed `prefix` cache: the reader's own K/V
 nothing shared. Every other policy runs as it is served: per (context, writer) the cache is
 flushed, the writer prefills the context (under `forkkv+fanout` writing its readers' residuals
 too), then each reader's tasks on it read what the cache holds. `prefix` shares nothing across
-adapters, so its row checks that serving is exact; `base` asks with no adapter at all (the
+adapters, so its row checks that serving is exact (Activated LoRA agents share the base model's
+K/V of the context exactly under every policy: for them it is the sharing row); `base` asks with no adapter at all (the
 adapters' own effect, the scale of every other row's loss).
 
 Per task the run keeps the greedy output, the log-probabilities and hidden states at the
@@ -44,7 +45,10 @@ def run_policy(engine, policy: str, tasks: list[FidelityTask], max_new_tokens: i
         first = tasks[members[0]]
         if policy not in ("exact", "base"):
             readers = list(dict.fromkeys(tasks[i].reader for i in members if tasks[i].reader != first.writer))
-            engine.generate([list(first.context)], adapters=[first.writer], max_new_tokens=1,
+            # an Activated LoRA writer's K/V of a context without its invocation is the base
+            # model's own: the base model prefills it
+            writer = None if engine.slots.invocation_of(first.writer) is not None else first.writer
+            engine.generate([list(first.context)], adapters=[writer], max_new_tokens=1,
                             fanout_adapters=readers if policy == "forkkv+fanout" else None)
         for i in members:
             t = tasks[i]

@@ -111,10 +111,13 @@ def demo_adapters(cfg: ModelConfig) -> dict[str, LoraAdapter]:
 ADAPTERS_DIR = os.path.join(os.path.dirname(__file__), "adapters")
 
 
-def trained_adapters(model: str, shared_a: bool = False, root: str | None = None) -> dict[str, str]:
+def trained_adapters(model: str, shared_a: bool = False, root: str | None = None,
+                     alora: bool = False) -> dict[str, str]:
     """{role: PEFT dir} of the agents scripts/train_agents.py trained for built-in `model`
-    (`shared_a`: the set sharing one frozen A, for `lrshared`); {} when it has none."""
-    path = os.path.join(root or os.path.join(ADAPTERS_DIR, model), "shared-a" if shared_a else "")
+    (`shared_a`: the set sharing one frozen A, for `lrshared`; `alora`: the Activated LoRA set);
+    {} when it has none."""
+    sub = "shared-a" if shared_a else "alora" if alora else ""
+    path = os.path.join(root or os.path.join(ADAPTERS_DIR, model), sub)
     if not os.path.isdir(path):
         return {}
     return {name: os.path.join(path, name) for name in sorted(os.listdir(path))

@@ -9,7 +9,9 @@ question per agent role whose answer a program checks.
 is the model); `scripts/bench_fidelity.py` measures how each cache policy changes the answers
 when the directory's K/V was computed by another agent. A prompt is the chat template around one
 user message, the directory then the question, tokenized as two pieces (`Prompt.context`,
-`Prompt.task`) so every agent's prompt starts with the same context tokens.
+`Prompt.task`) so every agent's prompt starts with the same context tokens. The aLoRA form of a
+task (Activated LoRA: an adapter that acts only from its invocation on) opens the question with
+the role's invocation, `INVOCATIONS`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import re
 import numpy as np
 
 ROLES = ("extractor", "critic", "caller")
+# Each role's aLoRA invocation: its agent acts from the last occurrence of these tokens on, the
+# base model before. Each follows a newline and ends with one, and SmolLM2's pre-tokenizer never
+# joins a newline to a word: its tokens are the same alone and inside a prompt's text.
+INVOCATIONS = {"extractor": "Extractor:\n", "critic": "Critic:\n", "caller": "Caller:\n"}
 _FIRST = ("Ana", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
           "Kira", "Liam", "Maya", "Nico", "Olga", "Pavel", "Quinn", "Rosa", "Sami", "Tara",
           "Umar", "Vera", "Wen", "Yara", "Zane", "Aiko", "Bruno", "Chloe", "Dmitri", "Esme")
@@ -113,11 +119,21 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def invocation_ids(tokenizer, role: str) -> list[int]:
+    """The token ids of `role`'s aLoRA invocation (`tokenizer`: HF's)."""
+    return encode(tokenizer, INVOCATIONS[role])
+
+
 def make_prompt(tokenizer, role: str, records: list[Record], rng: np.random.Generator,
-                context: list[int] | None = None) -> Prompt:
-    """One task of `role` on `records` (pass `context`, the directory's tokens, to reuse them)."""
+                context: list[int] | None = None, alora: bool = False) -> Prompt:
+    """One task of `role` on `records` (pass `context`, the directory's tokens, to reuse them).
+    `alora`: the aLoRA form, whose task starts with the role's invocation: its adapter then acts
+    on the question, the assistant's turn and the answer, and the context stays the base
+    model's."""
     head, tail = chat_pieces(tokenizer)
     question, expected = task(role, records, rng)
+    if alora:
+        question = INVOCATIONS[role] + question
     ctx = context if context is not None else encode(tokenizer, head + context_text(records))
     end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     return Prompt(role, ctx, encode(tokenizer, question + tail), encode(tokenizer, expected) + [end],
@@ -138,10 +154,11 @@ def directory_for_tokens(tokenizer, rng: np.random.Generator, tokens: int) -> li
 
 
 def fidelity_lines(tokenizer, roles: list[str], contexts: list[int], directories: int = 1,
-                   per_reader: int = 3, seed: int = 0) -> list[dict]:
+                   per_reader: int = 3, seed: int = 0, alora: bool = False) -> list[dict]:
     """The directory tasks as `python -m forkjax.fidelity` JSONL objects (text fields; the
     checks `correct` applies): per context length and directory, one role writes (each in
-    turn) and every other role asks `per_reader` questions. `tokenizer`: HF's."""
+    turn) and every other role asks `per_reader` questions. `tokenizer`: HF's. `alora`: their
+    aLoRA form, each question opening with its reader's invocation."""
     head, tail = chat_pieces(tokenizer)
     lines = []
     for n in contexts:
@@ -152,6 +169,8 @@ def fidelity_lines(tokenizer, roles: list[str], contexts: list[int], directories
                 rng = np.random.default_rng([seed, n, j, roles.index(reader)])
                 for _ in range(per_reader):
                     question, expected = task(reader, records, rng)
+                    if alora:
+                        question = INVOCATIONS[reader] + question
                     lines.append(dict(context=head + context_text(records), task=question + tail,
                                       answer=expected, writer=writer, reader=reader,
                                       check=_check(reader, expected)))
