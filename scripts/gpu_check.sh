@@ -24,7 +24,8 @@
 #           on the LoRA path $LORA_PATH (fused, or sgmv), into active_<path>.json
 #   host    host tier copy rates (bench_host_tier.py, 2 MB to 512 MB)   host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
-#           `prefix`, the default batch, 60 GB KV, with $SERVING_ADAPTERS (0,1,8)      a run
+#           `prefix`, the default batch, $SERVING_KV bytes of KV (60e9: an H200's; an    a run
+#           H100 fits 40e9), with $SERVING_ADAPTERS (0,1,8)
 #   online  the same at Poisson rates $SERVING_RATES (req/s, 512 requests each)   online/   ~1 min a rate
 #   http    bench_serving.py ShareGPT-like offline, 1,000 requests, `prefix`,   http/    ~6 min
 #           $HTTP_MODEL (llama3.1-8b-random): in process, then over HTTP (a `python -m
@@ -132,7 +133,7 @@ for stage in "$@"; do
         done ;;
     serving | online)
         shape="--num-prompts 1024 --dataset uniform --input-len 576 --range-ratio 0.7778
-            --output-range-ratio 0 --output-len 256 --policy prefix --kv-cache-bytes 60e9"
+            --output-range-ratio 0 --output-len 256 --policy prefix --kv-cache-bytes ${SERVING_KV:-60e9}"
         mkdir -p "$OUT/$stage"
         if [ "$stage" = serving ]; then
             runs=$(for a in $(echo "${SERVING_ADAPTERS:-0,1,8}" | tr , ' '); do echo "a$a:--adapters_$a"; done)
