@@ -36,7 +36,7 @@ per policy.
         --total 3x --policy forkkv+fanout --replicas 4 --route cache_aware --context 4096 \\
         --gen 64 --obs 64 --out /tmp/replay-4
     # ReAct actions as JSON tool calls under constrained decoding (a model with a tokenizer):
-    # the results' guided_sync_steps counts the steps that waited for a token in flight
+    # the results' guided_steps counts the steps that held a constrained request
     PYTHONPATH=. python3 scripts/bench_workflows.py --model smollm2-135m --pattern react \\
         --sweep 16,64 --policy forkkv --context 1024 --gen 64 --obs 64 --tool-format json \\
         --out $OUT/react-json
@@ -383,7 +383,7 @@ def run_point(runner, args, policy: str, n: int, profile, tokens, *, page_size: 
             "workflows_running_peak": stats.get("workflows_running_peak"),
             **{k: stats.get(k) for k in ("decode_batch_size_mean", "prefill_tokens_computed",
                                          "prompt_tokens", "base_hit_tokens", "residual_hit_tokens",
-                                         "preemptions", "workflows_suspended", "guided_sync_steps", *HOST_KEYS,
+                                         "preemptions", "workflows_suspended", "guided_steps", *HOST_KEYS,
                                          *LORA_KEYS)}, **steps, **per_replica}
 
 

@@ -118,8 +118,8 @@ def test_fork_inside_a_page_copies_it_and_stays_exact(hf_suite, forkkv_llama):
     a, tail = _prompt(11, 100, 203), _prompt(12, 30, 203)
     engine.score(a, adapter="qkvo8")
     copies = []
-    launch = engine.runner.launch
-    engine.runner.launch = lambda batch, *r: copies.extend(batch.base_copies) or launch(batch, *r)
+    forward = engine.runner.forward
+    engine.runner.forward = lambda batch, *r: copies.extend(batch.base_copies) or forward(batch, *r)
     try:
         s0 = engine.stats()
         forked = engine.score(a[:40] + tail, adapter="qkvo8")
@@ -131,7 +131,7 @@ def test_fork_inside_a_page_copies_it_and_stays_exact(hf_suite, forkkv_llama):
         assert len(copies) == 2
         assert rel_err(engine.score(a, adapter="qkvo8"), hf_logits(hf, a)) < 1e-4  # A intact
     finally:
-        engine.runner.launch = launch
+        engine.runner.forward = forward
 
 
 @pytest.mark.parametrize("policy", ["prefix", "forkkv"])

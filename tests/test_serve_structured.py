@@ -244,7 +244,7 @@ def test_unconstrained_outputs_unchanged_beside_constrained_ones(server):
 
     with server.http() as http:
         alone = [plain(http, p) for p in prompts]
-    synced = server.metrics()["forkjax:guided_sync_steps_total"]
+    guided_steps = server.metrics()["forkjax:guided_steps_total"]
     with ThreadPoolExecutor(8) as pool, server.http() as http:
         guided = [pool.submit(constrained, i) for i in range(4)]
         assert all(e.wait(120) for e in started)
@@ -253,7 +253,7 @@ def test_unconstrained_outputs_unchanged_beside_constrained_ones(server):
             text, reason = f.result()
             assert reason == "stop" and len(json.loads(text)["text"]) >= 40
     assert beside == alone
-    assert server.metrics()["forkjax:guided_sync_steps_total"] >= synced + 40  # /metrics counts them
+    assert server.metrics()["forkjax:guided_steps_total"] >= guided_steps + 40  # /metrics counts them
 
 
 def test_continue_final_message_continues_the_assistant_text(server):

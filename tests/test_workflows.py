@@ -312,7 +312,7 @@ def test_react_json_tool_calls_follow_their_schema(forkkv_engine):
             outputs.append((request, output))
             done(request, output, now)
         w.complete = complete
-    before = forkkv_engine.stats()["guided_sync_steps"]
+    before = forkkv_engine.stats()["guided_steps"]
     result = run_in_process(forkkv_engine, workflows, progress=False)
     assert all(w.done for w in workflows) and len(result.records) == len(outputs) == 12
     valid = 0
@@ -326,7 +326,7 @@ def test_react_json_tool_calls_follow_their_schema(forkkv_engine):
         jsonschema.validate(call, TOOL_CALL_SCHEMA)
         valid += 1
     assert valid >= 6
-    assert forkkv_engine.stats()["guided_sync_steps"] > before  # their steps waited for tokens in flight
+    assert forkkv_engine.stats()["guided_steps"] > before
 
 
 def test_driver_refills_slots_and_ends_sessions(forkkv_engine, monkeypatch):

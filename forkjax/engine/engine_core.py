@@ -216,19 +216,18 @@ class EngineCore:
         if batch is None:
             return self._finish_inflight()
         all_logits = any(s.score for s in batch.seqs)
-        guided = [s for s in batch.seqs if s.guide is not None]
-        # A guided request's mask needs its previous token, which the step in flight may still
-        # hold: such steps wait for it (they give up overlap; stats()["guided_sync_steps"]).
-        waits = any(s.pending for s in guided)
-        sync = all_logits or waits or not self.overlap
-        if waits and not (all_logits or not self.overlap):
-            self.metrics.guided_sync_steps += 1
+        sync = all_logits or not self.overlap
         done = self._finish_inflight() if sync else []
-        if guided:
+        fwd = self.runner.forward(batch, all_logits, any(s.return_hidden for s in batch.seqs))
+        if any(s.guide is not None for s in batch.seqs):
+            # A guided request's mask needs its previous token, which the step in flight may
+            # still hold: that step's results are taken in while this forward pass runs, and the
+            # masks join at sampling.
+            done += self._finish_inflight()
             t = time.perf_counter()
             batch.token_masks = self.scheduler.token_masks(batch, bitmask_width(self.model_cfg.vocab_size))
-            self.metrics.guided_mask_s += time.perf_counter() - t
-        launched = self.runner.launch(batch, all_logits, any(s.return_hidden for s in batch.seqs))
+            self.metrics.guided(time.perf_counter() - t)
+        launched = self.runner.sample(fwd)
         self.metrics.time("inputs_s", self.runner.last_inputs_s)
         self.metrics.time("dispatch_s", self.runner.last_dispatch_s)
         self.metrics.time("steps", 1)

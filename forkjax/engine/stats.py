@@ -16,9 +16,8 @@ class EngineStats:
     def __init__(self):
         self.step_times = dict.fromkeys(STEP_PARTS, 0)  # cumulative seconds per part
         self.decode_steps = self.decode_seqs = 0
-        # steps that held a guided request: those that waited for the step in flight to build
-        # its masks (overlap given up), and the host seconds the masks took
-        self.guided_sync_steps, self.guided_mask_s = 0, 0.0
+        # steps that held a guided request, and the host seconds their masks took
+        self.guided_steps, self.guided_mask_s = 0, 0.0
         # per step, when a list (`record_steps`): [decode 1 / extend 0, requests, tokens computed,
         # tokens attended (sum of the rows' ends), device seconds]; a step's device seconds run
         # from its dispatch or the previous step's results, whichever is later, to its results
@@ -32,6 +31,11 @@ class EngineStats:
 
     def time(self, part: str, dt: float) -> None:
         self.step_times[part] += dt
+
+    def guided(self, mask_s: float) -> None:
+        """A step held a guided request; its masks took `mask_s` host seconds."""
+        self.guided_steps += 1
+        self.guided_mask_s += mask_s
 
     def launched(self, batch, t: float) -> None:
         """A step of `batch` (a ScheduledBatch) was dispatched at perf-counter time `t`."""
@@ -57,7 +61,7 @@ class EngineStats:
         s["agent_bytes"] = {names.get(k, k): v for k, v in s["agent_bytes"].items()}
         s["decode_batch_size_mean"] = self.decode_seqs / self.decode_steps if self.decode_steps else 0.0
         s["decode_steps"] = self.decode_steps
-        s["guided_sync_steps"], s["guided_mask_s"] = self.guided_sync_steps, self.guided_mask_s
+        s["guided_steps"], s["guided_mask_s"] = self.guided_steps, self.guided_mask_s
         s["prefill_tokens_computed"] = scheduler.prefill_tokens_computed
         prompt = s["prompt_tokens"]
         s["base_hit_rate"] = s["base_hit_tokens"] / prompt if prompt else 0.0
@@ -77,6 +81,6 @@ class EngineStats:
         cache.reset_stats()
         slots.swaps = slots.swap_bytes = slots.swap_s = 0
         self.decode_steps = self.decode_seqs = 0
-        self.guided_sync_steps, self.guided_mask_s = 0, 0.0
+        self.guided_steps, self.guided_mask_s = 0, 0.0
         scheduler.prefill_tokens_computed = scheduler.num_preemptions = 0
         scheduler.workflows_running_peak = scheduler.sessions.num_suspended = 0

@@ -37,6 +37,7 @@ from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, id_list_widths,
                                          padded_masks, processing_arrays)
+from forkjax.runtime.sampler import SamplingArrays
 from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
 from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
 from forkjax.sampling_params import MAX_LOGPROBS
@@ -57,6 +58,17 @@ class Launched:
     chunk: int  # c: rows per request
     # when a request asked for logprobs: (sampled token's [b], top ids [b, k], top logprobs [b, k])
     logprobs: tuple | None = None
+
+
+@dataclasses.dataclass
+class Forwarded:
+    """A step whose forward pass is dispatched and whose sampling is not (`ModelRunner.sample`)."""
+    launched: Launched  # its tokens the forward program's greedy ones until sampled
+    b: int  # the batch bucket
+    rows: jax.Array  # [b, vocab] float32 each request's last logits
+    sampling: SamplingArrays  # [b] each
+    processed: bool  # a row has logit processors (penalties, bias, min_tokens, ...)
+    logprobs: int  # top logprobs to return, 0 for none
 
 
 @dataclasses.dataclass
@@ -214,11 +226,12 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def launch(self, batch: ScheduledBatch, all_logits: bool = False, hidden: bool = False) -> Launched:
-        """Dispatch one scheduled batch without waiting for it (`all_logits`: every row's
-        logits, `hidden`: every row's hidden states). A PENDING input token is read on the
-        device from the previous launch's row `row.prev_row`, so this step can be dispatched
-        before that one has finished."""
+    def forward(self, batch: ScheduledBatch, all_logits: bool = False, hidden: bool = False) -> Forwarded:
+        """Dispatch one scheduled batch's forward pass without waiting for it (`all_logits`:
+        every row's logits, `hidden`: every row's hidden states); `sample` dispatches its
+        sampling, so its token masks (`batch.token_masks`) may be set in between. A PENDING
+        input token is read on the device from the previous launch's row `row.prev_row`, so
+        this step can be dispatched before that one has finished."""
         t0 = time.perf_counter()
         decode = batch.kind == "decode"
         b, c, w = batch_shape(batch, self.buckets, self.decode_rows.update(batch) if decode else None)
@@ -232,23 +245,30 @@ class ModelRunner:
         t1 = time.perf_counter()
         (tokens, rows, logits, finite, fan_finite, states), self.pools = self._call(
             batch.kind, all_logits, hidden, layout, packed, (batch.kind, b, c, w, all_logits, hidden, fanout))
-        processed = any(r.params.processed for r in whole)  # such rows come whole
-        k = MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0
+        self.last_inputs_s, self.last_dispatch_s = t1 - t0, time.perf_counter() - t1
+        return Forwarded(Launched(batch, tokens, logits, finite, fan_finite, states, c), b, rows, sampling,
+                         any(r.params.processed for r in whole),  # such rows come whole
+                         MAX_LOGPROBS if any(r.params.logprobs is not None for r in whole) else 0)
+
+    def sample(self, fwd: Forwarded) -> Launched:
+        """Dispatch the sampling of a forwarded batch (the forward program's greedy tokens when
+        nothing else is asked), under its token masks if it has them."""
+        t0 = time.perf_counter()
+        launched, batch, sampling, b = fwd.launched, fwd.launched.batch, fwd.sampling, fwd.b
         masks = None if batch.token_masks is None else padded_masks(batch.token_masks, b)
-        logprobs = None
-        if processed or k or masks is not None:  # only steps holding such a request pay for it
-            process = processing_arrays(batch.rows, b) if processed else None
+        if fwd.processed or fwd.logprobs or masks is not None:  # only steps holding such a request pay
+            process = processing_arrays(batch.rows, b) if fwd.processed else None
             # a greedy batch under masks skips the sort of sampling (other programs always sample)
             sampled = masks is None or bool(np.any(sampling.temperature > 0))
             shape = ("process", b, None if process is None else id_list_widths(process),
-                     masks is not None, sampled, k)
-            tokens, logprobs = self._sample(shape, rows, sampling, process, self.prev_tokens, masks)
+                     masks is not None, sampled, fwd.logprobs)
+            launched.tokens, launched.logprobs = self._sample(shape, fwd.rows, sampling, process,
+                                                              self.prev_tokens, masks)
         elif np.any(sampling.temperature > 0):
-            tokens = self._sample(("sample", b), rows, sampling)
-        self.prev_tokens = tokens
-        t2 = time.perf_counter()  # the call returns once XLA has launched the step's kernels
-        self.last_inputs_s, self.last_dispatch_s = t1 - t0, t2 - t1
-        return Launched(batch, self.prev_tokens, logits, finite, fan_finite, states, c, logprobs)
+            launched.tokens = self._sample(("sample", b), fwd.rows, sampling)
+        self.prev_tokens = launched.tokens
+        self.last_dispatch_s += time.perf_counter() - t0  # calls return once XLA has launched
+        return launched
 
     @staticmethod
     def fetch(launched: Launched) -> Fetched:

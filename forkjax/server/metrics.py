@@ -60,8 +60,8 @@ CORE = [
      [("", "decode_batch_size_mean")]),
     ("decode_steps_total", "counter", "Decode steps run.", [("", "decode_steps")]),
     ("num_preemptions_total", "counter", "Requests preempted to free KV pages.", [("", "preemptions")]),
-    ("guided_sync_steps_total", "counter", "Steps that waited for the step in flight to build a "
-     "constrained request's token mask (overlap given up).", [("", "guided_sync_steps")]),
+    ("guided_steps_total", "counter", "Steps that held a constrained request.",
+     [("", "guided_steps")]),
     ("guided_mask_seconds_total", "counter", "Host seconds spent building constrained requests' "
      "token masks.", [("", "guided_mask_s")]),
     ("workflows_running_peak", "gauge", "Most sessions with a request in the running batch at once.",

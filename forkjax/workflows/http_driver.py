@@ -129,7 +129,7 @@ _COUNTERS = {"prompt_tokens": "prompt_tokens_total",
              "host_bytes_loaded": "host_bytes_transferred_total{direction=loaded}",
              "lora_swaps": "lora_swaps_total",
              "lora_swap_bytes": "lora_swap_bytes_total",
-             "guided_sync_steps": "guided_sync_steps_total"}
+             "guided_steps": "guided_steps_total"}
 _SECONDS = {"host_load_stall_s": "host_load_stall_seconds_total",
             "lora_swap_wait_s": "lora_swap_wait_seconds_total"}
 _GAUGES = {"base_bytes_used": "kv_bytes_used{pool=base}",
