@@ -60,7 +60,10 @@ class DualRadixCache:
 
     def match(self, tokens, adapter_key: Hashable = None) -> MatchResult:
         """Probe both trees (no lock, no stats). Refreshes LRU recency like any access."""
-        tokens = key_tokens(tokens, adapter_key)
+        return self._match(key_tokens(tokens, adapter_key), adapter_key)
+
+    def _match(self, tokens: np.ndarray, adapter_key: Hashable) -> MatchResult:
+        """`match` of tokens already keyed (`key_tokens`)."""
         base_len, base_pages, base_node = self.base_tree.match_prefix(self.policy.base_ns(adapter_key), tokens)
         res_ns = self.policy.res_ns(adapter_key)
         if res_ns is None:
@@ -84,8 +87,8 @@ class DualRadixCache:
         if fanout and isinstance(unsalted(adapter_key), Activated):
             raise ValueError(f"residual fan-out from {adapter_key!r}, an Activated LoRA request")
         if reuse:
-            self.prefetch(tokens, adapter_key, list((fanout or {}).values()))
-            m = self.match(tokens, adapter_key)
+            self._prefetch(tokens, adapter_key, list((fanout or {}).values()))
+            m = self._match(tokens, adapter_key)
         else:
             res_ns, none = self.policy.res_ns(adapter_key), np.zeros(0, np.int32)
             m = MatchResult(0, 0, none, none.copy(), self.base_tree.root(self.policy.base_ns(adapter_key)),
@@ -112,9 +115,12 @@ class DualRadixCache:
         """Bring the host nodes that extend the match of `tokens` back to the device, in each
         namespace a request of `adapter_key` (writing `fanout_keys`' residuals) reads, into free
         or evictable pages, held ones last (a request's start, or a session about to run)."""
+        self._prefetch(key_tokens(tokens, adapter_key), adapter_key, fanout_keys)
+
+    def _prefetch(self, tokens: np.ndarray, adapter_key: Hashable, fanout_keys) -> None:
+        """`prefetch` of tokens already keyed (`key_tokens`)."""
         if self.host_budget is None:
             return
-        tokens = key_tokens(tokens, adapter_key)
         spaces = [(self.base_tree, self.policy.base_ns(adapter_key))]
         if self.res_tree is not None:
             spaces += [(self.res_tree, ns) for ns in
@@ -130,7 +136,7 @@ class DualRadixCache:
         """[(tree, cached length, last node)] for the base namespace, the request's own residual
         one (if it keeps a residual) and each fan-out agent's residual one."""
         tokens = key_tokens(tokens, adapter_key)
-        m = self.match(tokens, adapter_key)
+        m = self._match(tokens, adapter_key)
         out = [(self.base_tree, m.base_len, m.base_node)]
         if m.res_node is not None:
             out.append((self.res_tree, m.res_len, m.res_node))

@@ -295,10 +295,11 @@ class RadixTree(HostTier):
                     self._drop_host_subtree(child)
                 self._drop_backup(node)
                 node.retired, node.last_access = True, 0
-                if drop and node.device_leaf():
-                    self.evicted_pages += self._delete_leaf(node)
-                elif node.device_leaf():
-                    self._push(node)
+                if node.device_leaf():
+                    if drop:
+                        self.evicted_pages += self._delete_leaf(node)
+                    else:
+                        self._push(node)
             node = parent
 
     def _touch(self, node: TreeNode, now: int) -> None:
