@@ -60,24 +60,17 @@ def _executor() -> llg.LLExecutor:
 
 
 def fill_masks(guides: list[tuple[Guide, int]], masks: np.ndarray) -> None:
-    """Write the rows of masks ([B, W] int32, C-contiguous) of `guides` (guide, row) at once: a
-    stopped matcher's row allows every token (its request has ended: that token is dropped). A
-    matcher in several rows is computed once (the pool borrows each matcher once)."""
-    first: dict[int, int] = {}  # id(matcher) -> the row computed
-    live, copies = [], []
+    """Write the rows of masks ([B, W] int32, C-contiguous) of `guides` (guide, row; one row a
+    guide) at once: a stopped matcher's row allows every token (its request has ended: that
+    token is dropped)."""
+    live = []
     for guide, i in guides:
-        m = guide.matcher
-        if m.is_stopped():
+        if guide.matcher.is_stopped():
             masks[i] = -1
-        elif id(m) in first:
-            copies.append((first[id(m)], i))
         else:
-            first[id(m)] = i
-            live.append((m, i))
+            live.append((guide.matcher, i))
     if live:
         llg_np.fill_next_token_bitmask_par(_executor(), live, masks)
-    for src, dst in copies:
-        masks[dst] = masks[src]
 
 
 class Guide:

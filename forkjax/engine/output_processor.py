@@ -25,11 +25,13 @@ class SchedulerOutputProcessorMixin:
 
     def token_masks(self, batch: ScheduledBatch, width: int) -> np.ndarray:
         """[entries, width] int32 bitmasks of `batch`'s next tokens: a guided request's from
-        its matcher (whose tokens are all known: engine_core.py waits for them), all tokens
-        allowed in the other rows."""
+        its matcher (whose tokens are all known: engine_core.py takes in the step in flight
+        first), all tokens allowed in the other rows."""
         masks = np.full((len(batch.seqs), width), -1, np.int32)
-        fill_masks([(seq.guide, i) for i, seq in enumerate(batch.seqs)
-                    if seq.guide is not None and seq.status is Status.RUNNING], masks)
+        # a request in pieces (a chunked prompt) samples at its last entry only
+        last = {seq: i for i, seq in enumerate(batch.seqs)
+                if seq.guide is not None and seq.status is Status.RUNNING}
+        fill_masks([(seq.guide, i) for seq, i in last.items()], masks)
         return masks
 
     def on_launched(self, batch: ScheduledBatch) -> None:
