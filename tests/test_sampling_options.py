@@ -146,3 +146,20 @@ def test_bad_options_are_refused(engine):
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request(PROMPT, "planner", SamplingParams(logit_bias=((10**6, 1.0),)))
     assert not engine.scheduler.has_work
+
+
+def test_generate_follows_a_grammar(engine):
+    """`Engine.generate(guided=...)`: every sampled output (random weights, temperature 1) is a
+    JSON document its schema accepts (checked with `jsonschema`)."""
+    import json
+
+    import jsonschema
+
+    from forkjax.structured_output import json_schema_grammar
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour", "n"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    outs = engine.generate([PROMPT] * 4, adapters="planner", max_new_tokens=64, temperature=1.0,
+                           seed=3, guided=json_schema_grammar(schema))
+    for out in outs:
+        jsonschema.validate(json.loads(bytes(t for t in out if t < 256).decode()), schema)

@@ -147,11 +147,13 @@ class Engine(EngineCore):
                  repetition_penalty: float = 1.0, min_tokens: int = 0, logit_bias=None,
                  session_id: str | None = None, session_end: bool = False,
                  session_tokens: int | None = None, session_next_s: float | None = None,
-                 fanout_adapters=None, cache_salt: str | None = None) -> list[list[int]]:
+                 fanout_adapters=None, cache_salt: str | None = None,
+                 guided: str | None = None) -> list[list[int]]:
         """Generate for every prompt at once and return each one's new tokens. The penalties,
-        `min_tokens` and `logit_bias` ({token id: bias}) are SamplingParams'. The session
-        keywords apply to every prompt (`session_end`: the session ends when the last of
-        them finishes); add_request says what they do."""
+        `min_tokens`, `logit_bias` ({token id: bias}) and `guided` (a grammar every output
+        follows: `forkjax.structured_output.json_schema_grammar(schema)` for a JSON schema) are
+        SamplingParams'. The session keywords apply to every prompt (`session_end`: the session
+        ends when the last of them finishes); add_request says what they do."""
         if adapters is None or isinstance(adapters, str):
             adapters = [adapters] * len(prompts)
         if len(adapters) != len(prompts):
@@ -162,7 +164,7 @@ class Engine(EngineCore):
                                  presence_penalty=presence_penalty,
                                  frequency_penalty=frequency_penalty,
                                  repetition_penalty=repetition_penalty, min_tokens=min_tokens,
-                                 logit_bias=tuple((logit_bias or {}).items()))
+                                 logit_bias=tuple((logit_bias or {}).items()), guided=guided)
                   for i in range(len(prompts))]
         seqs = []
         try:
