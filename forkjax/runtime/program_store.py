@@ -14,13 +14,14 @@ from instead (as vLLM keys its compile cache by a hash of its configuration and 
   devices, jax's configuration and XLA_FLAGS.
 
 A program found is loaded (deserialized) where it would have been compiled; one not found is
-lowered and compiled as before, then written, unless jax's cache gave its executable back: an
-executable loaded from a cache does not serialize whole again on every backend (XLA:CPU's lacks
-its compiled functions, and a process loading it fails when it runs), so only executables that
-XLA compiled in this process are written. A store therefore fills on a start whose programs
-jax's cache does not hold (the first on an empty cache, or after a change to the programs). The
-store lives beside jax's cache, in `forkjax-programs/` under its directory, and only while that
-directory is set.
+lowered and compiled as before, then written. Only executables XLA compiled in this process are
+written: one that jax's cache gave back does not serialize whole again on every backend (XLA:CPU's
+lacks its compiled functions, and a process loading it fails when it runs it). So that jax's
+cache does not give back a program the store lacks (the same module compiled by an earlier
+forkjax), its module is named after its key in the store, which jax's cache key includes.
+
+The store lives beside jax's cache, in `forkjax-programs/` under its directory, and only while
+that directory is set.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import threading
 
 import jax
 from jax.experimental import serialize_executable
+from jax.extend.mlir import ir
 
 log = logging.getLogger("forkjax")
 
@@ -98,9 +100,12 @@ class ProgramStore:
         """() -> what compiler.ShapeCompiler compiles (an object with `compile()`): the stored
         executable of `program` (a hashable, stable-repr tuple) if there is one, else `lower()`'s
         jax Lowered, which writes its executable here once compiled."""
-        path = os.path.join(self.directory, hashlib.sha256(self._prefix + repr(program).encode())
-                            .hexdigest() + ".bin")
-        return lambda: _Stored(self, path, lower) if os.path.exists(path) else _Storing(self, path, lower())
+        key = hashlib.sha256(self._prefix + repr(program).encode()).hexdigest()
+        return lambda: (_Stored(self, key, lower) if os.path.exists(self.path(key))
+                        else _Storing(self, key, lower()))
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, key + ".bin")
 
     def __str__(self):
         return f"program store {self.directory}: {self.loaded} loaded, {self.saved} written"
@@ -114,23 +119,24 @@ class _Stored:
     """A program in the store: compiling it loads it (or, where it cannot be read, removes it
     and lowers and compiles the program again)."""
 
-    def __init__(self, store: ProgramStore, path: str, lower):
-        self.store, self.path, self.lower = store, path, lower
+    def __init__(self, store: ProgramStore, key: str, lower):
+        self.store, self.key, self.lower = store, key, lower
 
     def compile(self):
+        path = self.store.path(self.key)
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 blob, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(
                 blob, in_tree, out_tree, execution_devices=self.store.devices)
         except Exception as e:  # cut short, or not jax's pickle: compile it again
-            log.warning("program store: %s unreadable (%s); compiling it again",
-                        os.path.basename(self.path), str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("program store: %s unreadable (%s); compiling it again", os.path.basename(path),
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
             try:
-                os.remove(self.path)
+                os.remove(path)
             except OSError:
                 pass
-            return _Storing(self.store, self.path, self.lower()).compile()
+            return _Storing(self.store, self.key, self.lower()).compile()
         self.store._count("loaded")
         return compiled
 
@@ -138,14 +144,19 @@ class _Stored:
 class _Storing:
     """A lowered program not in the store: compiling it writes its executable there."""
 
-    def __init__(self, store: ProgramStore, path: str, lowered):
-        self.store, self.path, self.lowered = store, path, lowered
+    def __init__(self, store: ProgramStore, key: str, lowered):
+        self.store, self.key, self.lowered = store, key, lowered
+        module = lowered.compiler_ir()  # the very module compile() compiles: renamed (docstring)
+        with module.context:
+            name = ir.StringAttr(module.operation.attributes["sym_name"]).value
+            module.operation.attributes["sym_name"] = ir.StringAttr.get(f"{name}_{key[:16]}")
 
     def compile(self):
         _compiling.hit = False
         compiled = self.lowered.compile()
         if _compiling.hit:  # from jax's cache: it would not serialize whole (module docstring)
             return compiled
+        path = self.store.path(self.key)
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
             os.makedirs(self.store.directory, exist_ok=True)
@@ -154,12 +165,12 @@ class _Storing:
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
-                os.replace(tmp, self.path)
+                os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
         except Exception as e:  # an executable that does not serialize is compiled each start
-            log.warning("program store: not writing %s (%s)", os.path.basename(self.path), e)
+            log.warning("program store: not writing %s (%s)", os.path.basename(path), e)
         else:
             self.store._count("saved")
         return compiled
