@@ -6,11 +6,15 @@ serialize whole again."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
+
+from forkjax.runtime.program_store import ProgramStore
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,3 +51,23 @@ def test_a_program_is_written_once_compiled_and_loaded_by_the_next_process(tmp_p
     assert second["b"] == dict(y=want, loaded=0, saved=1)
     # and whole: a process that loads it runs it
     assert _run(tmp_path, "b")["b"] == dict(y=want, loaded=1, saved=0)
+
+
+def test_the_store_keeps_to_jax_cache_size_dropping_the_least_recently_used(tmp_path):
+    """Past `jax_compilation_cache_max_size` bytes a write removes the programs used longest ago:
+    one just loaded stays."""
+    store = ProgramStore(str(tmp_path), jax.devices()[:1], "trim")
+    for i, name in enumerate("abcd"):  # 100 bytes each, a used longest ago
+        path = store.path(name)
+        pathlib.Path(path).write_bytes(bytes(100))
+        os.utime(path, (1000 + i, 1000 + i))
+    os.utime(store.path("a"), (2000, 2000))  # a loaded since: the most recent
+    before = jax.config.jax_compilation_cache_max_size
+    jax.config.update("jax_compilation_cache_max_size", 250)
+    try:
+        store.trim()
+    finally:
+        jax.config.update("jax_compilation_cache_max_size", before)
+    assert sorted(p.stem for p in tmp_path.glob("*.bin")) == ["a", "d"]
+    store.trim()  # unbounded again: nothing more goes
+    assert len(list(tmp_path.glob("*.bin"))) == 2

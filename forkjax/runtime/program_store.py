@@ -21,7 +21,8 @@ cache does not give back a program the store lacks (the same module compiled by 
 forkjax), its module is named after its key in the store, which jax's cache key includes.
 
 The store lives beside jax's cache, in `forkjax-programs/` under its directory, and only while
-that directory is set.
+that directory is set. Its size is bounded as jax bounds its cache (`jax_compilation_cache_max_size`
+bytes, unbounded by default): a write past it removes the programs least recently used.
 """
 
 from __future__ import annotations
@@ -110,6 +111,31 @@ class ProgramStore:
     def __str__(self):
         return f"program store {self.directory}: {self.loaded} loaded, {self.saved} written"
 
+    def trim(self) -> None:
+        """Remove the least recently used programs while the store is over
+        `jax_compilation_cache_max_size` bytes (no bound when that is not positive)."""
+        limit = jax.config.jax_compilation_cache_max_size
+        if limit <= 0:
+            return
+        with self._lock:
+            entries = []
+            for entry in os.scandir(self.directory):
+                if entry.name.endswith(".bin"):
+                    try:
+                        st = entry.stat()
+                    except OSError:  # removed meanwhile by another process
+                        continue
+                    entries.append((st.st_mtime, st.st_size, entry.path))
+            total = sum(size for _, size, _ in entries)
+            for _, size, path in sorted(entries):
+                if total <= limit:
+                    break
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+                total -= size
+
     def _count(self, field: str):
         with self._lock:
             setattr(self, field, getattr(self, field) + 1)
@@ -138,6 +164,7 @@ class _Stored:
                 pass
             return _Storing(self.store, self.key, self.lower()).compile()
         self.store._count("loaded")
+        os.utime(path)  # recently used: the last to go when the store is over its size
         return compiled
 
 
@@ -173,4 +200,5 @@ class _Storing:
             log.warning("program store: not writing %s (%s)", os.path.basename(path), e)
         else:
             self.store._count("saved")
+            self.store.trim()
         return compiled
