@@ -4,7 +4,8 @@ from the model once, a flat list a few dozen arrays long: the layers are stacked
 
 Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
 fixed set of programs serves every batch, compiled at start or in the background while serving
-(compiler.py; which ones and in which order: warmup_plan.py); page tables are as wide as the
+(compiler.py; which ones and in which order: warmup_plan.py; kept across processes:
+program_store.py); page tables are as wide as the
 bucket of the batch's longest request. A step or sampling program compiled after warm-up logs a
 warning: a shape escaped the warm-up.
 
@@ -37,6 +38,7 @@ from forkjax.runtime.decode_rows import DecodeRows
 from forkjax.runtime.host_blocks import HostBlocks
 from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs, id_list_widths,
                                          padded_masks, processing_arrays)
+from forkjax.runtime.program_store import ProgramStore
 from forkjax.runtime.sampler import SamplingArrays
 from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
 from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
@@ -123,6 +125,7 @@ class ModelRunner:
             (x.shape, x.dtype.name) for x in jax.tree.leaves(tree)))
         self._avals = (avals(self.params), avals(self.pools), avals(self.prev_tokens))
         self._program = HashOnce((*self._avals, self.residual, use_pallas, self.alora))
+        self.store = self._program_store()
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
         self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
@@ -136,7 +139,16 @@ class ModelRunner:
         if self.residual and not self.alora:
             self.alora = True
             self._program = HashOnce((*self._avals, self.residual, self.use_pallas, True))
+            self.store = self._program_store()
             self._exes.clear()
+
+    def _program_store(self) -> ProgramStore | None:
+        """This runner's programs on disk across processes (beside jax's compilation cache,
+        when it is on), so that a restart loads them instead of tracing and lowering them."""
+        devices = jax.local_devices()[:self.tp] if self.tp > 1 else list(self.prev_tokens.devices())
+        return ProgramStore.beside_jax_cache(devices, repr((
+            self.graphdef.value, self.state_def.value, self._program.value, self.num_slots,
+            self._tp and self._tp.value)))
 
     @property
     def model(self):
@@ -161,8 +173,8 @@ class ModelRunner:
         plain, variants = step_shapes(self.buckets, self._width(self.fanout), self.fanout_width)
         sampling = sampling_programs(self.buckets, self.vocab_size, self.prev_tokens, MAX_LOGPROBS)
         items = ([(self._key(*shape), self._lowering(shape)) for shape in plain]
-                 + [(self._key(*shape), functools.partial(lower_sampling, shape, args, len(self.prev_tokens)))
-                    for shape, args in sampling]
+                 + [(self._key(*shape), self._stored(shape, functools.partial(
+                     lower_sampling, shape, args, len(self.prev_tokens)))) for shape, args in sampling]
                  + [(self._key(*shape), self._lowering(shape)) for shape in variants])
         cores = os.cpu_count() or 1
         if background:
@@ -172,14 +184,16 @@ class ModelRunner:
 
             def done():
                 self.warm = True
-                log.info("warm-up done: %d shapes compiled in the background in %.0f s",
-                         len(items), time.perf_counter() - t0)
+                log.info("warm-up done: %d shapes compiled in the background in %.0f s (%s)",
+                         len(items), time.perf_counter() - t0,
+                         self.store or "no program store")
 
             workers = workers or max(1, cores - 1)
             self.background_warmup = COMPILER.start_background(items, workers, done)
             return
         with tqdm(total=len(items), desc="compiling", disable=not progress, unit="shape") as bar:
             COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
+        log.info("warm-up: %d shapes compiled (%s)", len(items), self.store or "no program store")
         for b in self.buckets.decode_sizes:  # copy-on-write: small programs, quick
             self._copy([], [], b)
         for i, blocks in enumerate(self.host_blocks):
@@ -213,7 +227,12 @@ class ModelRunner:
         """() -> the Lowered step of `shape` (kind, B, C, W, all_logits, hidden, fan-out width)."""
         kind, b, c, w, all_logits, hidden, fanout = shape
         layout = self._layout(b, c, w, fanout)
-        return lambda: self._lower(kind, all_logits, hidden, layout)
+        return self._stored(shape, lambda: self._lower(kind, all_logits, hidden, layout))
+
+    def _stored(self, shape, lower):
+        """`lower` (() -> jax Lowered of program `shape`), through the program store if there is
+        one: its executable is then loaded from there, or written there once compiled."""
+        return lower if self.store is None else self.store.lowering(shape, lower)
 
     def _lower(self, kind, all_logits, hidden, layout: InputLayout):
         """The step of `layout`'s bucket, lowered from shapes alone (the pools may be donated
@@ -303,7 +322,7 @@ class ModelRunner:
             key = self._key(*shape)
             if self.warm and not COMPILER.compiled(key):
                 log.warning("compiling a new shape after warm-up: %s", shape)
-            exe = self._exes[shape] = COMPILER.get(key, lower)
+            exe = self._exes[shape] = COMPILER.get(key, self._stored(shape, lower))
         return exe
 
     def _static(self, kind, all_logits, hidden, layout) -> dict:
