@@ -5,8 +5,7 @@ from the model once, a flat list a few dozen arrays long: the layers are stacked
 Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
 fixed set of programs serves every batch, compiled at start or in the background while serving
 (compiler.py; which ones and in which order: warmup_plan.py; kept across processes:
-program_store.py); page tables are as wide as the
-bucket of the batch's longest request. A step or sampling program compiled after warm-up logs a
+program_store.py); page tables are as wide as the bucket of the batch's longest request. A step or sampling program compiled after warm-up logs a
 warning: a shape escaped the warm-up.
 
 Residual fan-out adds two inputs, a token's fan-out targets (at most `fanout_width` adapter
@@ -128,7 +127,7 @@ class ModelRunner:
         self.store = self._program_store()
         self.warm = False  # every bucket compiled: a program compiled later logs a warning
         self.background_warmup = None  # compiler.BackgroundWarmup of warmup(background=True)
-        self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last launch()
+        self.last_inputs_s = self.last_dispatch_s = 0.0  # host time of the last step's dispatch
         if alora:
             self.enable_alora()
 
