@@ -5,8 +5,8 @@ from the model once, a flat list a few dozen arrays long: the layers are stacked
 Shapes are bucketed (buckets.py), a batch's inputs padded to its bucket (input_batch.py), so a
 fixed set of programs serves every batch, compiled at start or in the background while serving
 (compiler.py; which ones and in which order: warmup_plan.py; kept across processes:
-program_store.py); page tables are as wide as the bucket of the batch's longest request. A step or sampling program compiled after warm-up logs a
-warning: a shape escaped the warm-up.
+program_store.py); page tables are as wide as the bucket of the batch's longest request. A
+step or sampling program compiled after warm-up logs a warning: a shape escaped the warm-up.
 
 Residual fan-out adds two inputs, a token's fan-out targets (at most `fanout_width` adapter
 slots, 0 where no request can fan out) and their residual slots (`PagedMeta.fan_adapters`,
