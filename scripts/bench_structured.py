@@ -11,8 +11,9 @@ decode, --steps engine steps are timed (wall clock, each step's results taken in
 (EOS ignored) and then under a schema whose string is long enough that none finishes meanwhile.
 A constrained step dispatches its forward pass, takes in the step in flight (its masks need
 those tokens), builds the masks on the host meanwhile (`mask_s_per_step`, from
-`Engine.stats()["guided_mask_s"]`) and applies them in its sampling program. Validity: --validity requests under bounded random schemas (nested
-objects, enums, bounded strings and arrays), at most 200 new tokens, sampled at temperature 1:
+`Engine.stats()["guided_mask_s"]`) and applies them in its sampling program. Validity:
+--validity requests under bounded random schemas (nested objects, enums, bounded strings and
+arrays), at most 200 new tokens, sampled at temperature 1:
 the fraction that ends "stop", and of those the fraction whose output validates (`jsonschema`).
 """
 

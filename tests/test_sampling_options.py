@@ -1,8 +1,12 @@
 """Logits processing and logprobs: the penalties, logit bias and min_tokens against a numpy
 reference on fixed logits, and on the engine (overlap scheduling included) against a loop of
-`Engine.score` calls with the same processing in numpy; logprobs against `Engine.score`."""
+`Engine.score` calls with the same processing in numpy; logprobs against `Engine.score`; a
+grammar's outputs against `jsonschema`."""
+
+import json
 
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 
@@ -11,6 +15,7 @@ from conftest import SMALL
 from forkjax.engine.sequence import SamplingParams, Status
 from forkjax.runtime.input_batch import _padded
 from forkjax.runtime.sampler import ProcessArrays, process_logits, top_logprobs
+from forkjax.structured_output import json_schema_grammar
 
 
 def _reference(logits, *, output, pending, prompt, presence, frequency, repetition, bias, banned):
@@ -151,11 +156,6 @@ def test_bad_options_are_refused(engine):
 def test_generate_follows_a_grammar(engine):
     """`Engine.generate(guided=...)`: every sampled output (random weights, temperature 1) is a
     JSON document its schema accepts (checked with `jsonschema`)."""
-    import json
-
-    import jsonschema
-
-    from forkjax.structured_output import json_schema_grammar
     schema = {"type": "object", "additionalProperties": False, "required": ["colour", "n"],
               "properties": {"colour": {"enum": ["red", "green", "blue"]},
                              "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
