@@ -115,7 +115,8 @@ class DualRadixCache:
         """Bring the host nodes that extend the match of `tokens` back to the device, in each
         namespace a request of `adapter_key` (writing `fanout_keys`' residuals) reads, into free
         or evictable pages, held ones last (a request's start, or a session about to run)."""
-        self._prefetch(key_tokens(tokens, adapter_key), adapter_key, fanout_keys)
+        if self.host_budget is not None:
+            self._prefetch(key_tokens(tokens, adapter_key), adapter_key, fanout_keys)
 
     def _prefetch(self, tokens: np.ndarray, adapter_key: Hashable, fanout_keys) -> None:
         """`prefetch` of tokens already keyed (`key_tokens`)."""
