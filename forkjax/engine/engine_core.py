@@ -33,7 +33,7 @@ from forkjax.engine.sessions import SESSION_TTL_S
 from forkjax.engine.stats import EngineStats
 from forkjax.lora.slot_writer import SlotWriter
 from forkjax.lora.slots import AdapterSlots, slot_rank
-from forkjax.runtime.buckets import Buckets
+from forkjax.runtime.buckets import MIN_PAGE_WIDTH, REFERENCE_MIN_WIDTH, Buckets
 from forkjax.runtime.host_blocks import pin_host_tier
 from forkjax.runtime.model_runner import Launched, ModelRunner
 from forkjax.runtime.sampler import bitmask_width
@@ -80,8 +80,10 @@ class EngineCore:
             self._pinning = threading.Thread(target=pin_host_tier, name="forkjax-pin-host", daemon=True,
                                              args=(self.cache.host_budget, memory.pinned_host_limit()))
             self._pinning.start()
+        use_pallas = on_gpu if use_pallas is None else use_pallas
         buckets = Buckets(max_batch, max_prefill_tokens, -(-self.max_model_len // cfg.page_size),
-                          fixed=cfg.deterministic)
+                          fixed=cfg.deterministic,
+                          min_width=MIN_PAGE_WIDTH if use_pallas else REFERENCE_MIN_WIDTH)
         self.scheduler = Scheduler(self.cache, buckets, self.slots, max_batch_size=max_batch,
                                    max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
                                    schedule_policy=cfg.schedule_policy, max_wait_s=max_wait_s,
@@ -89,7 +91,7 @@ class EngineCore:
         # Only `forkkv` requests fan out: other policies' warm-ups compile no fan-out programs.
         fanout_width = cfg.fanout_width if cfg.cache_policy == "forkkv" else 0
         self.runner = ModelRunner(model, layout, buckets, num_slots=cfg.max_loras,
-                                  use_pallas=on_gpu if use_pallas is None else use_pallas,
+                                  use_pallas=use_pallas,
                                   fanout=cfg.residual_fanout or _fixed_fanout(cfg), fanout_width=fanout_width,
                                   host_tier=tuple(h.max_block if h else 0 for h in self.cache.host_pools),
                                   alora=alora)
