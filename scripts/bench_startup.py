@@ -52,9 +52,11 @@ out = engine.generate([prompt], max_new_tokens=16)[0]
 first = time.perf_counter() - t0
 while not engine.runner.warm and warmup:
     time.sleep(0.1)
+store = engine.runner.store
 print(json.dumps(dict(ready_s=ready, first_answer_s=first, warm_s=time.perf_counter() - t0,
                       answer=engine.tokenizer.decode(out) if engine.tokenizer else out,
-                      backend=jax.default_backend())))
+                      backend=jax.default_backend(),
+                      programs=dict(loaded=store.loaded, written=store.saved) if store else None)))
 """
 
 
@@ -72,7 +74,8 @@ def main():
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--out", default="startup.json")
-    ap.add_argument("--limit", type=float, default=600, help="seconds to wait for the server")
+    ap.add_argument("--limit", type=float, default=600,
+                    help="seconds to wait for the server (with --engine: for the engine's process)")
     ap.add_argument("--engine", action="store_true", help="in-process engine, no HTTP server")
     ap.add_argument("--restart", action="store_true", help="a second start on the first's compile cache")
     ap.add_argument("args", nargs="*", help="more flags for forkjax.serve (after --)")

@@ -22,6 +22,9 @@
 #           the engine without adapter slots (--max-loras 1: decode B=64 2k, prefill 8k)
 #   active  bench_engine.py --active 0,1,8,32,64: those with K distinct adapters (65 slots)  adapters/  ~6 min
 #           on the LoRA path $LORA_PATH (fused, or sgmv), into active_<path>.json
+#   startup  bench_startup.py --engine --restart: $STARTUP_MODEL (llama3.1-8b-random) from a  startup.json  ~5-9 min
+#           fresh process with an empty compile cache, then again on the cache and program store
+#           the first filled, the full warm-up each time (at most 420 s each: alone in a command)
 #   host    host tier copy rates (bench_host_tier.py, 2 MB to 512 MB)   host_tier.json   ~1 min
 #   serving bench_serving.py offline, 1,024 requests of 128-1,024 -> 256 tokens,  serving/  ~2 min
 #           `prefix`, the default batch, $SERVING_KV bytes of KV (60e9: an H200's; an    a run
@@ -162,6 +165,14 @@ for stage in "$@"; do
             run 400 adapters/$name.log python3 scripts/bench_engine.py --policy prefix --batches 64 \
                 --steps ${ENGINE_STEPS:-12} ${flags//_/ } --out "$OUT/adapters/$name.json"
         done ;;
+    startup)  # bench_startup.py's own limit stops its engine process (an outer timeout would
+        # leave it holding the GPU)
+        python3 scripts/bench_startup.py --engine --restart --model ${STARTUP_MODEL:-llama3.1-8b-random} \
+            --limit 420 --out "$OUT/startup.json" -- --warmup=full > "$OUT/startup_run.log" 2>&1
+        echo "bench_startup: rc=$?"
+        python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+for k, v in (("cold", r), ("restart", r["restart"])): print(k, {f: v[f] for f in ("ready_s", "first_answer_s", "programs")})' \
+            "$OUT/startup.json" ;;
     host)
         timeout 200 python3 scripts/bench_host_tier.py --out "$OUT/host_tier.json" > "$OUT/host_tier.log" 2>&1
         echo "bench_host_tier: rc=$?"; cat "$OUT/host_tier.log" ;;
