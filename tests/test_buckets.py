@@ -16,7 +16,7 @@ def test_page_widths_climb_by_four_from_the_minimum_to_the_model_length():
 
 def test_the_reference_path_compiles_narrow_page_tables():
     kw = dict(warmup=False, max_model_len=4096, dtype="float32")  # 256 pages of 16 tokens
-    reference = forkjax.Engine.from_pretrained("tiny-llama", **kw)
+    reference = forkjax.Engine.from_pretrained("tiny-llama", use_pallas=False, **kw)
     assert reference.runner.buckets.page_widths == [REFERENCE_MIN_WIDTH, 256]
     reference.generate(["a short prompt"], max_new_tokens=3)  # its steps run at the narrowest width
     assert {shape[3] for shape in reference.runner._exes if shape[0] in ("decode", "extend")} == {64}
