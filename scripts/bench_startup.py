@@ -6,6 +6,7 @@ compile cache the first filled (a restart), its figures under "restart".
 
     python scripts/bench_startup.py --model smollm2-135m --out startup.json
     python scripts/bench_startup.py --engine --restart --model llama3-8b-random --out startup.json -- --warmup=full
+    python scripts/bench_startup.py --engine --cache-dir /tmp/c ...  # twice: cold, then a restart
 
 The server's own log (weights, lowering, compiling) is kept beside the JSON as startup.log.
 Flags after `--` go to forkjax.serve (e.g. `-- --warmup full`).
@@ -14,6 +15,7 @@ Flags after `--` go to forkjax.serve (e.g. `-- --warmup full`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -78,17 +80,27 @@ def main():
                     help="seconds to wait for the server (with --engine: for the engine's process)")
     ap.add_argument("--engine", action="store_true", help="in-process engine, no HTTP server")
     ap.add_argument("--restart", action="store_true", help="a second start on the first's compile cache")
+    ap.add_argument("--cache-dir", help="a compile cache folder to start on and keep (default: an "
+                    "empty temporary one); a second run on the same folder is a restart")
     ap.add_argument("args", nargs="*", help="more flags for forkjax.serve (after --)")
     args = ap.parse_args()
     start = engine_startup if args.engine else server_startup
-    with tempfile.TemporaryDirectory() as cache, open(os.path.splitext(args.out)[0] + ".log", "w") as log:
+    with (tempfile.TemporaryDirectory() if args.cache_dir is None else _kept(args.cache_dir)) as cache, \
+            open(os.path.splitext(args.out)[0] + ".log", "w") as log:
+        files = sum(len(f) for _, _, f in os.walk(cache))  # 0: a cold start
         result = dict(start(args, cache, log), model=args.model, mode="engine" if args.engine else "server",
-                      cpu_count=os.cpu_count(), command=" ".join(sys.argv))
+                      cache_files_before=files, cpu_count=os.cpu_count(), command=" ".join(sys.argv))
         if args.restart:
             result["restart"] = start(args, cache, log)
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+@contextlib.contextmanager
+def _kept(directory: str):
+    os.makedirs(directory, exist_ok=True)
+    yield directory
 
 
 def server_startup(args, cache: str, log) -> dict:
