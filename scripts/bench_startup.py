@@ -1,8 +1,10 @@
 """Start-up: seconds from launching `python -m forkjax.serve` to /health answering and to the
 first chat completion, with an empty compile cache; with --engine, the same in a fresh Python
 process without HTTP (`Engine.from_pretrained` and one `generate`: the GPU machine has no HTTP
-stack), and also when the background warm-up finishes. --restart: then a second start on the
-compile cache the first filled (a restart), its figures under "restart".
+stack), and also when the background warm-up finishes, with the seconds jax spent tracing,
+lowering and compiling and the program store's loads and writes (summed over the compile
+threads). --restart: then a second start on the compile cache the first filled (a restart), its
+figures under "restart".
 
     python scripts/bench_startup.py --model smollm2-135m --out startup.json
     python scripts/bench_startup.py --engine --restart --model llama3-8b-random --out startup.json -- --warmup=full
@@ -38,6 +40,14 @@ import json, sys, time
 t0 = time.perf_counter()
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+          "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
+seconds = dict.fromkeys(EVENTS.values(), 0.0)  # summed over the compile threads
+def on_event(name, secs, **_):
+    if name in EVENTS:
+        seconds[EVENTS[name]] += secs
+jax.monitoring.register_event_duration_secs_listener(on_event)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import forkjax
 from forkjax.engine.engine import WARMUP_MODES
@@ -58,7 +68,9 @@ store = engine.runner.store
 print(json.dumps(dict(ready_s=ready, first_answer_s=first, warm_s=time.perf_counter() - t0,
                       answer=engine.tokenizer.decode(out) if engine.tokenizer else out,
                       backend=jax.default_backend(),
-                      programs=dict(loaded=store.loaded, written=store.saved) if store else None)))
+                      compile={k: round(v, 1) for k, v in seconds.items()},
+                      programs=dict(loaded=store.loaded, load_s=round(store.load_s, 1), written=store.saved,
+                                    write_s=round(store.save_s, 1)) if store else None)))
 """
 
 

@@ -175,7 +175,7 @@ for stage in "$@"; do
             -- --warmup=full > "$OUT/${name}_run.log" 2>&1
         echo "bench_startup $name: rc=$?"
         python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
-print({f: r[f] for f in ("cache_files_before", "ready_s", "first_answer_s", "warm_s", "programs")})' \
+print({f: r[f] for f in ("cache_files_before", "ready_s", "first_answer_s", "warm_s", "compile", "programs")})' \
             "$OUT/$name.json" ;;
     host)
         timeout 200 python3 scripts/bench_host_tier.py --out "$OUT/host_tier.json" > "$OUT/host_tier.log" 2>&1

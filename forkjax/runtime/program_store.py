@@ -34,6 +34,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 
 import jax
 from jax.experimental import serialize_executable
@@ -90,6 +91,7 @@ class ProgramStore:
         self._prefix = (environment(self.devices) + description).encode()
         self._lock = threading.Lock()
         self.loaded = self.saved = 0  # programs loaded from the store, written to it
+        self.load_s = self.save_s = 0.0  # seconds those took (on the compile threads, summed)
 
     @classmethod
     def beside_jax_cache(cls, devices, description: str) -> ProgramStore | None:
@@ -109,7 +111,8 @@ class ProgramStore:
         return os.path.join(self.directory, key + ".bin")
 
     def __str__(self):
-        return f"program store {self.directory}: {self.loaded} loaded, {self.saved} written"
+        return (f"program store {self.directory}: {self.loaded} loaded in {self.load_s:.1f} s, "
+                f"{self.saved} written in {self.save_s:.1f} s")
 
     def trim(self) -> None:
         """Remove the least recently used programs while the store is over
@@ -136,9 +139,15 @@ class ProgramStore:
                     pass
                 total -= size
 
-    def _count(self, field: str):
+    def _loaded(self, seconds: float):
         with self._lock:
-            setattr(self, field, getattr(self, field) + 1)
+            self.loaded += 1
+            self.load_s += seconds
+
+    def _saved(self, seconds: float):
+        with self._lock:
+            self.saved += 1
+            self.save_s += seconds
 
 
 class _Stored:
@@ -149,7 +158,7 @@ class _Stored:
         self.store, self.key, self.lower = store, key, lower
 
     def compile(self):
-        path = self.store.path(self.key)
+        path, t = self.store.path(self.key), time.perf_counter()
         try:
             with open(path, "rb") as f:
                 blob, in_tree, out_tree = pickle.load(f)
@@ -163,7 +172,7 @@ class _Stored:
             except OSError:
                 pass
             return _Storing(self.store, self.key, self.lower()).compile()
-        self.store._count("loaded")
+        self.store._loaded(time.perf_counter() - t)
         os.utime(path)  # recently used: the last to go when the store is over its size
         return compiled
 
@@ -183,7 +192,7 @@ class _Storing:
         compiled = self.lowered.compile()
         if _compiling.hit:  # from jax's cache: it would not serialize whole (module docstring)
             return compiled
-        path = self.store.path(self.key)
+        path, t = self.store.path(self.key), time.perf_counter()
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
             os.makedirs(self.store.directory, exist_ok=True)
@@ -199,6 +208,6 @@ class _Storing:
         except Exception as e:  # an executable that does not serialize is compiled each start
             log.warning("program store: not writing %s (%s)", os.path.basename(path), e)
         else:
-            self.store._count("saved")
             self.store.trim()
+            self.store._saved(time.perf_counter() - t)
         return compiled
