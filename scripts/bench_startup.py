@@ -40,16 +40,10 @@ import json, sys, time
 t0 = time.perf_counter()
 import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[2])
-EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-          "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
-seconds = dict.fromkeys(EVENTS.values(), 0.0)  # summed over the compile threads
-def on_event(name, secs, **_):
-    if name in EVENTS:
-        seconds[EVENTS[name]] += secs
-jax.monitoring.register_event_duration_secs_listener(on_event)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import forkjax
+from forkjax.runtime.compiler import CompileTimes
+times = CompileTimes()
 from forkjax.engine.engine import WARMUP_MODES
 model, warmup = sys.argv[1], WARMUP_MODES[sys.argv[3]]
 engine = forkjax.Engine.from_pretrained(model, warmup=warmup, progress=False)
@@ -68,7 +62,7 @@ store = engine.runner.store
 print(json.dumps(dict(ready_s=ready, first_answer_s=first, warm_s=time.perf_counter() - t0,
                       answer=engine.tokenizer.decode(out) if engine.tokenizer else out,
                       backend=jax.default_backend(),
-                      compile={k: round(v, 1) for k, v in seconds.items()},
+                      compile={k: round(v, 1) for k, v in times.totals.items()},
                       programs=dict(loaded=store.loaded, load_s=round(store.load_s, 1), written=store.saved,
                                     write_s=round(store.save_s, 1)) if store else None)))
 """

@@ -13,6 +13,7 @@ import jax
 
 import forkjax
 from forkjax.config import ModelConfig
+from forkjax.runtime.compiler import CompileTimes
 from forkjax.workflows.agents import ATTENTION, agent_adapters
 
 WITH_RESIDUAL = ("forkkv", "lrshared", "forkkv+fanout")  # policies with a residual pool
@@ -30,25 +31,6 @@ def policy_adapters(args, policy: str, names: list[str], cfg: ModelConfig) -> di
     return agent_adapters(cfg, names, args.rank, shared_a=policy == "lrshared", alora=policy == "alora")
 # The in-process engines take Engine.from_pretrained's default page size; a server is told it.
 PAGE_SIZE = inspect.signature(forkjax.Engine.from_pretrained).parameters["page_size"].default
-
-
-class CompileTimes:
-    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
-
-    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-              "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
-
-    def __init__(self):
-        self.totals = dict.fromkeys(self.EVENTS.values(), 0.0)
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, name, secs, **_):
-        if name in self.EVENTS:
-            self.totals[self.EVENTS[name]] += secs
-
-    def since(self, before: dict) -> dict:
-        return {k: round(v - before[k], 3) for k, v in self.totals.items()}
 
 
 COMPILE_TIMES = CompileTimes()

@@ -16,6 +16,8 @@ time for every bucket:
 A background warm-up stops (`BackgroundWarmup.stop`: its engine's `close()`; `stop_background`:
 all of them, at interpreter exit too) once the compiles it already started finish; the programs
 it compiled stay shared.
+
+`CompileTimes` sums the seconds jax reports tracing, lowering and compiling, for the benchmarks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Hashable
+
+import jax
 
 log = logging.getLogger("forkjax")
 
@@ -185,3 +189,23 @@ COMPILER = ShapeCompiler()
 # tears down (the process aborts). threading's exit hooks run first thing at exit, before any
 # `atexit` handler, and so before jax's, which clear its backends.
 threading._register_atexit(COMPILER.stop_background)
+
+
+class CompileTimes:
+    """Seconds JAX spends tracing, lowering and compiling (summed over threads), from its
+    monitoring events, since this object was made: the benchmarks' compile breakdowns."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "backend_compile_s"}
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.EVENTS.values(), 0.0)
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, secs, **_):
+        if name in self.EVENTS:
+            self.totals[self.EVENTS[name]] += secs
+
+    def since(self, before: dict) -> dict:
+        return {k: round(v - before[k], 3) for k, v in self.totals.items()}
