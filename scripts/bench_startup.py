@@ -91,8 +91,10 @@ def main():
     ap.add_argument("args", nargs="*", help="more flags for forkjax.serve (after --)")
     args = ap.parse_args()
     start = engine_startup if args.engine else server_startup
-    with (tempfile.TemporaryDirectory() if args.cache_dir is None else _kept(args.cache_dir)) as cache, \
-            open(os.path.splitext(args.out)[0] + ".log", "w") as log:
+    if args.cache_dir is not None:
+        os.makedirs(args.cache_dir, exist_ok=True)
+    kept = tempfile.TemporaryDirectory() if args.cache_dir is None else contextlib.nullcontext(args.cache_dir)
+    with kept as cache, open(os.path.splitext(args.out)[0] + ".log", "w") as log:
         files = sum(len(f) for _, _, f in os.walk(cache))  # 0: a cold start
         result = dict(start(args, cache, log), model=args.model, mode="engine" if args.engine else "server",
                       cache_files_before=files, cpu_count=os.cpu_count(), command=" ".join(sys.argv))
@@ -101,12 +103,6 @@ def main():
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-
-
-@contextlib.contextmanager
-def _kept(directory: str):
-    os.makedirs(directory, exist_ok=True)
-    yield directory
 
 
 def server_startup(args, cache: str, log) -> dict:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import inspect
 import time
 
-import jax
-
 import forkjax
 from forkjax.config import ModelConfig
 from forkjax.runtime.compiler import CompileTimes
