@@ -56,7 +56,8 @@ def fused(x, wa, b, gs):
     """x [T, d_in], wa [d_out + N·R, d_in] (W, then every slot's A^T as rows), b [N, R, d_out]."""
     n, r, d_out = b.shape
     y = base(x, wa)
-    return y[:, :d_out] + lora_expand(slot_rows(y[:, d_out:].reshape(-1, n, r), gs), b)
+    slots = slots_from_group_sizes(gs, x.shape[0])
+    return y[:, :d_out] + lora_expand(slot_rows(y[:, d_out:].reshape(-1, n, r), slots, n), b)
 
 
 @functools.partial(jax.jit, static_argnums=4)
