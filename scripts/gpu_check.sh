@@ -70,7 +70,8 @@
 #           forkjax.serve` process per point, into <stage>..._http/)
 #   old     the stages $OLD_STAGES (default: wheels,http) of an older tree, for before/after tables on one
 #           card: `mkdir .old && git archive REV | tar -x -C .old` here, carry `.old`; its results
-#           under $OUT/old/ (its FORKJAX_COMMIT: $OLD_COMMIT; it gets a copy of .whl/)
+#           in $OUT/old.tgz (one file: a run brings back few files, none below $OUT/a/b/), its
+#           FORKJAX_COMMIT $OLD_COMMIT; it gets a copy of .whl/
 #
 # Carry .whl/ (scripts/fetch_gpu_wheels.sh): the packages the GPU machine lacks (llguidance, which
 # forkjax imports; the server's; aiperf) are installed from it into /tmp/site, on PYTHONPATH for
@@ -283,7 +284,8 @@ PY
         mkdir -p "$OUT/old"
         [ -d .whl ] && mkdir -p .old/.whl && cp .whl/*.whl .old/.whl/
         (cd .old && OUT="$OUT/old" FORKJAX_COMMIT="${OLD_COMMIT:-old}" \
-            bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' ')) ;;
+            bash scripts/gpu_check.sh $(echo "${OLD_STAGES:-wheels,http}" | tr , ' '))
+        tar -czf "$OUT/old.tgz" -C "$OUT" old && rm -rf "$OUT/old" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
