@@ -9,9 +9,11 @@
 #   engine  bench_engine.py, B = 1, 16, 64                          engine.json/log    ~2 min
 #   det     bench_engine.py --deterministic, B = 1, 16, 64          engine_det.*       ~2 min
 #           (engine, det: $ENGINE_STEPS timed decode steps, default 12)
-#   xla     bench_engine.py decode B = 1, 16 (host-bound steps) under each XLA_FLAGS of  xla/   ~2 min a variant
-#           $XLA_VARIANTS (name=flags;...; default: none; the scanned layers' while loop in the
-#           command buffer, unrolled there or not; unrolled in HLO; no command buffers)
+#   xla     bench_engine.py decode at $XLA_BATCHES (default 1,16), 2k, under each XLA_FLAGS  xla/   ~2 min a variant
+#           of $XLA_VARIANTS (name=flags;...; default: none; the scanned layers' while loop in the
+#           command buffer, unrolled there or not; unrolled in HLO; no command buffers): the step
+#           and its host dispatch (XLA runs a while loop's iterations from the host); $XLA_KV bytes
+#           of KV (default 24e9; B=256 at 2k needs 70e9, an H200)
 #   large   bench_engine.py at B = 128, 256, 1k and 2k contexts,   engine_large_*.json ~5 min
 #           $LARGE_POLICIES (default prefix,forkkv), 80 GB KV
 #   rebuild engines of other shapes in one process, memory defaults  rebuild.log        ~5 min
@@ -122,9 +124,10 @@ for stage in "$@"; do
         IFS=';' read -ra specs <<< "$variants"
         for spec in "${specs[@]}"; do
             name=${spec%%=*}
-            XLA_FLAGS="${spec#*=}" run 150 xla/$name.log python3 scripts/bench_engine.py --batches 1,16 \
-                --steps ${ENGINE_STEPS:-12} --prefill-tokens 2048 --out "$OUT/xla/$name.json"
-            grep -E '"(batch|step_ms|ratio)"' "$OUT/xla/$name.json" | tr -d ' \n'; echo
+            XLA_FLAGS="${spec#*=}" run 150 xla/$name.log python3 scripts/bench_engine.py \
+                --batches ${XLA_BATCHES:-1,16} --steps ${ENGINE_STEPS:-12} --prefill-tokens 2048 \
+                --kv-cache-bytes ${XLA_KV:-24e9} --out "$OUT/xla/$name.json"
+            grep -E '"(batch|step_ms|ratio|dispatch)"' "$OUT/xla/$name.json" | tr -d ' \n'; echo
         done ;;
     large)
         for policy in $(echo "${LARGE_POLICIES:-prefix,forkkv}" | tr , ' '); do
