@@ -245,7 +245,7 @@ print("prefill", r.get("prefill"), "copy GB/s", round(r["copy_bandwidth_GBps"]))
 PY
         ;;
     tp)
-        run 400 tp_tests.log python3 -m pytest -q tests/tensor_parallel_cases.py
+        run 400 tp_tests.log python3 -m pytest -q tests/test_tensor_parallel.py
         mkdir -p "$OUT/tp"
         for tp in $(echo "${TP_SIZES:-1,2}" | tr , ' '); do
             run 300 tp/engine_tp$tp.log python3 scripts/bench_engine.py --model llama3-8b-random \

@@ -1,5 +1,4 @@
 import functools
-import gc
 import importlib.util
 import os
 import sys
@@ -37,7 +36,6 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 # keep CI waiting for its whole length while the other worker stands idle.
 LONGEST = ("test_fidelity.py::test_quick_fidelity_run",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[forkkv]",
-           "test_tensor_parallel.py::test_tensor_parallel_cases_in_a_process_of_their_own",
            "test_workflows.py::test_twice_the_workflows_in_a_pool_of_eight_keep_the_decode_batch[full_reuse]",
            "test_gguf.py::test_trained_agents_do_their_tasks", "test_readme.py::test_serving_example",
            "test_replay.py::test_replay_64_prefix_workflows_wait_at_the_gate_past_max_wait_s",
@@ -57,29 +55,6 @@ def pytest_collection_modifyitems(items):
         ordered += mine + rest[:take]
         rest = rest[take:]
     items[:] = ordered + rest
-
-
-# Every compiled CPU program maps its code in many pieces, and jax's caches and the engine's
-# COMPILER keep every program: a worker running half the suite passed Linux's vm.max_map_count
-# (65,530 regions) and died in the next mmap (SIGSEGV loading a program from the disk cache).
-MAX_MAPPED_REGIONS = 32768
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _bounded_programs():
-    """After a test module, past MAX_MAPPED_REGIONS, drop the programs nothing holds any more
-    (later modules load theirs from the disk cache)."""
-    yield
-    try:
-        with open("/proc/self/maps") as f:
-            regions = sum(1 for _ in f)
-    except OSError:  # not Linux
-        return
-    if regions > MAX_MAPPED_REGIONS:
-        from forkjax.runtime.compiler import COMPILER
-        COMPILER.clear()
-        jax.clear_caches()
-        gc.collect()
 
 
 def bench_workflows():
@@ -139,3 +114,4 @@ def server(tmp_path_factory):
 def forkkv_server(tmp_path_factory):
     from serve_utils import FORKKV_ARGS, serve
     yield from serve(tmp_path_factory, FORKKV_ARGS)
+

@@ -72,8 +72,8 @@ class Engine(EngineCore):
         Extra keywords (max_model_len, max_prefill_tokens, use_pallas, progress, overlap,
         max_wait_s, `session_ttl_s`: seconds an idle session keeps its pages, about your longest
         tool call (sessions.py), `warmup`: True compiles every shape before returning, "background" on other
-        threads while serving, False when a step first needs it; `compile_workers`: threads of
-        the warm-up's compiles) go to the constructor."""
+        threads while serving, False when a step first needs it; `compile_workers`: compiles the
+        warm-up runs at once) go to the constructor."""
         cfg = EngineConfig(cache_policy=cache_policy, dtype=dtype, page_size=page_size,
                            kv_cache_bytes=kv_cache_bytes, max_batch_size=max_batch_size,
                            max_lora_rank=max_lora_rank, max_loras=max_loras, max_cpu_loras=max_cpu_loras,

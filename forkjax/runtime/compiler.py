@@ -1,21 +1,30 @@
-"""The step's executables, one per shape key, each compiled once in the process.
+"""The step's executables, one per shape key, each compiled once while an engine holds it.
 
-A step asks `COMPILER.get(key, lower)`: the executable if it is compiled, else it waits for the
+A step asks `COMPILER.get(key, lower)`: the executable if one is alive, else it waits for the
 compile another thread started, else it lowers and compiles it itself. The key holds everything
 the program depends on (model structure, pool shapes, bucket shape), so engines of one model and
 layout share their programs, as jit's own cache would. Warm-up is the same call made ahead of
 time for every bucket:
 
-- `compile_all`: every shape now, XLA's compiles on several threads (lowering is Python, one
-  shape after the other). Serving then never stalls on the compiler.
+- `compile_all`: every shape now, on several threads, each lowering (Python) and compiling
+  (XLA) the next program of the list. Serving then never stalls on the compiler.
 - `start_background`: the same on a daemon thread while the engine serves. A request whose
   shape is not compiled yet compiles it when it comes (or waits for the background thread's
   compile of it), so the first answer needs only the programs it runs (BENCHMARKS.md,
   Start-up).
 
+Both hand each program to `on_compiled(key, executable)` as it is done: the engine holds its
+programs, the compiler only refers to them (weakly). A program lives as long as an engine holds
+it, and a process that builds engine after engine (tests, notebooks) holds only the live ones'
+programs: an XLA:CPU program maps a hundred or more regions of memory, and past Linux's
+vm.max_map_count (65,530) the next map fails inside XLA, which crashes the process.
+
+A thread lowers and compiles its own programs: jax lowers a thread's programs into one MLIR
+context that it reuses, and a module compiled on another thread would be read there while this
+thread builds the next module in the same context.
+
 A background warm-up stops (`BackgroundWarmup.stop`: its engine's `close()`; `stop_background`:
-all of them, at interpreter exit too) once the compiles it already started finish; the programs
-it compiled stay shared.
+all of them, at interpreter exit too) once the compiles it already started finish.
 
 `CompileTimes` sums the seconds jax reports tracing, lowering and compiling, for the benchmarks.
 """
@@ -24,13 +33,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import queue
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 
 import jax
 
 log = logging.getLogger("forkjax")
+
+OnCompiled = Callable[[Hashable, object], None]
 
 
 class BackgroundWarmup:
@@ -51,7 +62,7 @@ class BackgroundWarmup:
 
     def stop(self):
         """Lower and compile no more shapes; return once the compiles already started have
-        finished (their programs are kept)."""
+        finished (their programs are handed over as usual)."""
         self.stopping.set()
         if self._thread.ident is not None:  # started (a stop may come between add and start)
             self._thread.join()
@@ -60,68 +71,69 @@ class BackgroundWarmup:
 class ShapeCompiler:
     def __init__(self):
         self._lock = threading.Lock()
-        self._futures: dict[Hashable, concurrent.futures.Future] = {}
+        self._compiling: dict[Hashable, concurrent.futures.Future] = {}
+        self._programs = weakref.WeakValueDictionary()  # key -> executable, while one is held
         self._background: set[BackgroundWarmup] = set()
 
     def get(self, key: Hashable, lower: Callable):
         """The executable of `key`; `lower()` -> jax Lowered, called only if this thread
         compiles it."""
         future, mine = self._claim(key)
-        if mine:
-            self._fill(key, future, lambda: lower().compile())
+        if mine and (program := self._lower(key, future, lower)) is not None:
+            self._compile(key, future, program)
         return future.result()
 
-    def clear(self) -> None:
-        """Forget the programs compiled (engines keep those they hold; compiles in flight stay)."""
-        with self._lock:
-            self._futures = {k: f for k, f in self._futures.items() if not f.done()}
-
     def compiled(self, key: Hashable) -> bool:
-        future = self._futures.get(key)
-        return future is not None and future.done() and future.exception() is None
+        """An executable of `key` is alive (an engine holds it)."""
+        return self._programs.get(key) is not None
 
-    def compile_all(self, items, workers: int, progress: Callable[[], None] | None = None,
-                    stop: threading.Event | None = None):
-        """items: [(key, lower)]: lowered in turn on this thread (Python), each compiled on one
-        of `workers` threads as soon as one is free; returns when all are compiled, or, once
+    def compile_all(self, items, workers: int, on_compiled: OnCompiled,
+                    progress: Callable[[], None] | None = None, stop: threading.Event | None = None):
+        """items: [(key, lower)], taken in turn by `workers` + 1 threads, so that `workers`
+        compile while one lowers (one lowering at a time: it is Python, which runs on one
+        core); a thread compiles what it lowered. `on_compiled(key, executable)` as each is
+        done (also those another thread compiled). Returns when all are compiled, or, once
         `stop` is set, when the compiles this call started are (it lowers no more). The threads
         start with the call, not with each compile: once the interpreter exits (when the exit
         hook below stops a background warm-up) Python starts no new thread."""
-        free, lowered = threading.Semaphore(max(1, workers)), queue.SimpleQueue()
-        threads = [threading.Thread(target=self._compile_each, args=(lowered, free, progress),
-                                    name="forkjax-compile", daemon=True)
-                   for _ in range(max(1, workers))]
+        todo, lowering = iter(items), threading.Lock()
+        mine, others = [], []
+
+        def work():
+            while True:
+                with lowering:  # the next item, lowered by this thread alone
+                    item = None if stop is not None and stop.is_set() else next(todo, None)
+                    if item is None:
+                        return
+                    key, lower = item
+                    future, claimed = self._claim(key)
+                    (mine if claimed else others).append(future)
+                    future.add_done_callback(
+                        lambda f, key=key: f.exception() or on_compiled(key, f.result()))
+                    program = self._lower(key, future, lower) if claimed else None
+                if program is not None:
+                    self._compile(key, future, program)
+                if progress is not None:
+                    progress()
+
+        threads = [threading.Thread(target=work, name="forkjax-compile", daemon=True)
+                   for _ in range(max(1, workers) + 1)]
         for thread in threads:
             thread.start()
-        mine, others = [], []
-        try:
-            for key, lower in items:
-                free.acquire()  # no backlog of lowered programs: a stop waits for few compiles
-                if stop is not None and stop.is_set():
-                    break
-                future, claimed = self._claim(key)
-                if not claimed:  # compiled, or being compiled by another thread
-                    free.release()
-                    others.append(future)
-                    continue
-                mine.append(future)
-                lowered.put((key, future, self._lower(key, future, lower)))
-        finally:
-            for _ in threads:
-                lowered.put(None)
-            for thread in threads:
-                thread.join()
+        for thread in threads:
+            thread.join()
         stopped = stop is not None and stop.is_set()
         for future in mine + ([] if stopped else others):
             future.result()  # raises a compile's error
 
-    def start_background(self, items, workers: int, on_done: Callable[[], None]) -> BackgroundWarmup:
+    def start_background(self, items, workers: int, on_compiled: OnCompiled,
+                         on_done: Callable[[], None]) -> BackgroundWarmup:
         """`compile_all` on a daemon thread, in the order given, while steps run; then
         `on_done()` unless stopped first. Shapes are claimed one at a time, so a step needing a
-        shape the thread has not reached compiles it at once instead of waiting its turn."""
+        shape the threads have not reached compiles it at once instead of waiting its turn."""
         def run(stopping: threading.Event):
             try:
-                self.compile_all(items, workers, stop=stopping)
+                self.compile_all(items, workers, on_compiled, stop=stopping)
             except Exception:  # a step that needs it compiles it again and raises there
                 log.exception("background warm-up stopped")
             else:
@@ -145,41 +157,44 @@ class ShapeCompiler:
             warmup.stop()
 
     def _claim(self, key) -> tuple[concurrent.futures.Future, bool]:
-        """(the future of `key`, whether the caller created it and must fill it)."""
+        """(a future of `key`, whether the caller created it and must fill it): done at once
+        when an executable is alive, another thread's while it compiles it."""
         with self._lock:
-            future = self._futures.get(key)
+            program = self._programs.get(key)
+            if program is not None:
+                future = concurrent.futures.Future()
+                future.set_result(program)
+                return future, False
+            future = self._compiling.get(key)
             if future is not None:
                 return future, False
-            future = self._futures[key] = concurrent.futures.Future()
+            future = self._compiling[key] = concurrent.futures.Future()
             return future, True
 
     def _lower(self, key, future, lower):
-        """`lower()`; its error fails the claim of `key` and is raised."""
+        """`lower()`, or None after its error failed the claim of `key`."""
         try:
             return lower()
         except BaseException as e:
             self._fail(key, future, e)
-            raise
+            return None
 
-    def _compile_each(self, lowered: queue.SimpleQueue, free: threading.Semaphore, progress):
-        """One compile thread of `compile_all`: compiles (key, future, Lowered) items until None."""
-        while (item := lowered.get()) is not None:
-            key, future, program = item
-            self._fill(key, future, program.compile)
-            free.release()
-            if progress is not None:
-                progress()
-
-    def _fill(self, key, future, compile_fn):
-        """`future`'s result: compile_fn()'s, or its error (`future.result()` raises it)."""
+    def _compile(self, key, future, program):
+        """`future`'s result: `program.compile()`, on the thread that lowered it, or its error
+        (`future.result()` raises it)."""
         try:
-            future.set_result(compile_fn())
+            executable = program.compile()
         except BaseException as e:
             self._fail(key, future, e)
+        else:
+            with self._lock:
+                self._programs[key] = executable
+                self._compiling.pop(key, None)
+            future.set_result(executable)
 
     def _fail(self, key, future, error):
         with self._lock:  # the next step that needs it tries again
-            self._futures.pop(key, None)
+            self._compiling.pop(key, None)
         future.set_exception(error)
 
 

@@ -39,7 +39,7 @@ from forkjax.runtime.input_batch import (InputLayout, batch_shape, build_inputs,
                                          padded_masks, processing_arrays)
 from forkjax.runtime.program_store import ProgramStore
 from forkjax.runtime.sampler import SamplingArrays
-from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, step_program
+from forkjax.runtime.step_program import HashOnce, copy_pages_program, lower_sampling, lower_step
 from forkjax.runtime.warmup_plan import sampling_programs, step_shapes
 from forkjax.sampling_params import MAX_LOGPROBS
 from forkjax.tensor_parallel import REPLICATED, param_specs, sharding
@@ -163,19 +163,26 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, workers: int | None = None, background: bool = False):
         """Compile the programs of warmup_plan.py (every bucket's step, sampling, the fan-out
-        and score steps; compiler.py): now, XLA's compiles on `workers` threads (default: the
-        host's cores), or with `background` on threads of their own (default: all cores but
-        one) while the engine serves, in the order requests need them: one request's plain
+        and score steps; compiler.py): now, `workers` compiles at a time (default: the host's
+        cores), or with `background` on threads of their own (default: all cores but one)
+        while the engine serves, in the order requests need them: one request's plain
         shapes first, then larger batches, then the variants. Now, not in the background, also
         the copy programs (they run on the pools, which a serving step donates: in the
         background they compile when first needed)."""
         plain, variants = step_shapes(self.buckets, self._width(self.fanout), self.fanout_width)
         sampling = sampling_programs(self.buckets, self.vocab_size, self.prev_tokens, MAX_LOGPROBS)
-        items = ([(self._key(*shape), self._lowering(shape)) for shape in plain]
-                 + [(self._key(*shape), self._stored(shape, functools.partial(
+        items = ([(shape, self._lowering(shape)) for shape in plain]
+                 + [(shape, self._stored(shape, functools.partial(
                      lower_sampling, shape, args, len(self.prev_tokens)))) for shape, args in sampling]
-                 + [(self._key(*shape), self._lowering(shape)) for shape in variants])
+                 + [(shape, self._lowering(shape)) for shape in variants])
+        shapes = {self._key(*shape): shape for shape, _ in items}
+        items = [(self._key(*shape), lower) for shape, lower in items]
         cores = os.cpu_count() or 1
+
+        def keep(key, exe):  # this runner holds its programs (COMPILER refers to them weakly)
+            if key == self._key(*shapes[key]):  # not a program enable_alora replaced since
+                self._exes.setdefault(shapes[key], exe)
+
         if background:
             t0 = time.perf_counter()
             log.info("warm-up: %d step programs (%d plain, %d fan-out and score), %d sampling programs",
@@ -188,10 +195,10 @@ class ModelRunner:
                          self.store or "no program store")
 
             workers = workers or max(1, cores - 1)
-            self.background_warmup = COMPILER.start_background(items, workers, done)
+            self.background_warmup = COMPILER.start_background(items, workers, keep, done)
             return
         with tqdm(total=len(items), desc="compiling", disable=not progress, unit="shape") as bar:
-            COMPILER.compile_all(items, workers or min(len(items), cores), bar.update)
+            COMPILER.compile_all(items, workers or min(len(items), cores), keep, bar.update)
         log.info("warm-up: %d shapes compiled (%s)", len(items), self.store or "no program store")
         for b in self.buckets.decode_sizes:  # copy-on-write: small programs, quick
             self._copy([], [], b)
@@ -240,7 +247,7 @@ class ModelRunner:
         args = (self.graphdef, self.state_def, jax.tree.map(shape, self.params),
                 jax.tree.map(shape, self.pools), jax.ShapeDtypeStruct((layout.size,), jnp.int32),
                 shape(self.prev_tokens))
-        return step_program.trace(*args, **self._static(kind, all_logits, hidden, layout)).lower()
+        return lower_step(*args, **self._static(kind, all_logits, hidden, layout))
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -120,7 +120,19 @@ _JIT = dict(static_argnums=(0, 1), donate_argnums=3,
 # of its stacked array, and XLA's Triton GEMM fusions over such slices took twice cuBLAS's step
 # time at 16 rows (BENCHMARKS.md, Engine decode and prefill).
 _OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_gpu_enable_triton_gemm": False}
-step_program = jax.jit(_forward, **_JIT, compiler_options=_OPTIONS)
+
+
+def _fresh(fn, **jit):
+    """`jax.jit` of a new function object wrapping `fn`. jax's trace, lowering and compile caches
+    key a program on its function, weakly: a module-level function would keep every program it
+    ever compiled (up to 2,048 of them) after the engines that ran them are gone (compiler.py)."""
+    return jax.jit(functools.partial(fn), **jit)
+
+
+def lower_step(*args, **static):
+    """The Lowered step program (`_forward`) of `args` (arrays or jax.ShapeDtypeStruct) and its
+    static arguments."""
+    return _fresh(_forward, **_JIT, compiler_options=_OPTIONS).trace(*args, **static).lower()
 
 
 def _pad_to(tokens, size: int):
@@ -139,13 +151,11 @@ def copy_pages_program(tp: int):
     return jax.jit(fn, donate_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def sample_padded(rows, sampling: SamplingArrays, size: int):
     """rows [B, vocab] float32 -> [size] int32 sampled tokens (row i: request i)."""
     return _pad_to(sample(rows, sampling), size)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 7))
 def process_and_sample(rows, sampling: SamplingArrays, process: ProcessArrays | None, prev_tokens,
                         masks, size: int, sampled: bool, k: int):
     """rows [B, vocab] float32, prev_tokens [size] int32 (the previous step's samples), masks
@@ -165,5 +175,5 @@ def lower_sampling(shape: tuple, args: tuple, size: int):
     id list widths or None, masked, sampled, k): process_and_sample, over `args` (arrays, or
     their shapes: jax.ShapeDtypeStruct) padded to `size` tokens."""
     if shape[0] == "sample":
-        return sample_padded.trace(*args, size).lower()
-    return process_and_sample.trace(*args, size, *shape[-2:]).lower()
+        return _fresh(sample_padded, static_argnums=2).trace(*args, size).lower()
+    return _fresh(process_and_sample, static_argnums=(5, 6, 7)).trace(*args, size, *shape[-2:]).lower()
