@@ -114,4 +114,3 @@ def server(tmp_path_factory):
 def forkkv_server(tmp_path_factory):
     from serve_utils import FORKKV_ARGS, serve
     yield from serve(tmp_path_factory, FORKKV_ARGS)
-

@@ -5,8 +5,8 @@ Every compiled XLA:CPU program maps a hundred or more regions of memory, and Lin
 process map at most vm.max_map_count (65,530) of them: past that the next map fails inside
 XLA (a compile, a write to jax's cache, a program loaded from the program store) and the
 process dies (SIGSEGV or abort). A process holds only its live engines' programs
-(compiler.py); one that kept every program it ever compiled crossed the limit within the
-fifth full-size engine. Here the process first takes all but HEADROOM of the regions Linux
+(compiler.py); one that kept every program it ever compiled crossed the limit in the fourth
+of five full-size engines. Here the process first takes all but HEADROOM of the regions Linux
 allows it, so that engines whose programs outlived them would cross it within a few engines.
 
 Runs in a process of its own, so that a crash fails this test rather than the suite.
