@@ -147,7 +147,9 @@ class EngineConfig:
     # "fused" (A as extra rows of each projection's GEMM: every token through every slot) or
     # "sgmv" (each token against its own slot: cost follows the adapters in the batch), lora/layers.py
     lora_path: str = "fused"
-    residual_fanout: bool = False  # forkkv: requests write the residuals of the adapters in slots
+    # forkkv: requests write the residuals of the adapters in slots, so that a second agent on a
+    # context another computed is a full hit; None: on under forkkv
+    residual_fanout: bool | None = None
     # forkkv: adapters one request fans out to at most (residual rows a token writes beside its
     # own, a width of the compiled step); None: max_loras - 2, at most DEFAULT_MAX_FANOUT
     max_fanout_adapters: int | None = None
@@ -187,6 +189,8 @@ class EngineConfig:
             raise ValueError(f"lora_path={self.lora_path!r}: expected 'fused' or 'sgmv'")
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras!r}: expected >= 1")
+        if self.residual_fanout is None:
+            object.__setattr__(self, "residual_fanout", self.cache_policy == "forkkv")
         if self.residual_fanout and self.cache_policy != "forkkv":
             raise ValueError(f"residual_fanout=True needs cache_policy='forkkv', not {self.cache_policy!r}")
         most = fanout_room(self.max_loras)

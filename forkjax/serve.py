@@ -16,9 +16,10 @@ salt) and forkjax fields: `session_id` (the requests of one workflow: whole work
 admitted as they fit, and a workflow's pages are kept between its turns until a request with
 `session_end` finishes or it has been idle for --session-ttl seconds; `session_tokens` hints its
 final length) and `fanout_adapters` (forkkv: the agents whose residual KV the request also
-writes, so their forks of its prefix are full hits; null follows --residual-fanout, [] writes
-none). A server started without --residual-fanout runs programs of their own for a batch with
-a request that fans out (--warmup compiles them after the plain ones). --schedule-policy picks
+writes, so their forks of its prefix are full hits; null follows --residual-fanout, on by
+default under forkkv: the other adapters in device slots; [] writes none). A server started
+with --no-residual-fanout runs programs of their own for a batch with a request that fans out
+(--warmup compiles them after the plain ones). --schedule-policy picks
 the admission order (lpm: cached prefixes first, with a bounded wait; fifo), --residual-fraction
 the residual pool's share of --kv-cache-bytes (or --residual-copies: room for that many
 adapters' residuals of each cached token).
@@ -107,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "right against 0.617 exact: BENCHMARKS.md, Fidelity). prefix: exact, each "
                         "adapter reuses only its own prefixes, N copies. full_reuse, lrshared: "
                         "docs/design.md. `python -m forkjax.fidelity` measures your agents")
-    p.add_argument("--residual-fanout", action="store_true",
-                   help="forkkv: every request also writes the residual KV of the adapters in device slots "
-                        "(a request's fanout_adapters overrides it)")
+    p.add_argument("--residual-fanout", action=argparse.BooleanOptionalAction, default=None,
+                   help="forkkv (on by default there): every request also writes the residual KV of "
+                        "the adapters in device slots, so that a second agent reading a context "
+                        "another computed is a full hit (a request's fanout_adapters overrides it)")
     p.add_argument("--max-fanout-adapters", type=int, default=None,
                    help="forkkv: adapters one request fans out to at most (residual rows a token "
                         "writes, compiled into the step; default max_loras - 2, at most 6)")

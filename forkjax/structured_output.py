@@ -7,6 +7,8 @@ with blanks until max_tokens (strings and arrays are bounded only by the schema)
 
 from __future__ import annotations
 
+import json
+
 import llguidance as llg
 
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -25,3 +27,18 @@ def checked_grammar(grammar: str) -> str:
     if error:
         raise ValueError(messages[0])
     return grammar
+
+
+def with_grammars(lark: str, **grammars: str) -> str:
+    """A Lark grammar whose rules name other grammars (`@name`) -> one grammar holding them all.
+    Each of `grammars` is one as the functions here (or llguidance's `grammar_from*`) return it:
+    llguidance's JSON form, or Lark text. The JSON form's first grammar is its start; the others
+    keep their names."""
+    out = [{"name": "start", "lark_grammar": lark}]
+    for name, grammar in grammars.items():
+        if grammar.lstrip().startswith("{"):
+            parts = json.loads(grammar)["grammars"]
+            out += [{**parts[0], "name": name}, *parts[1:]]
+        else:
+            out.append({"name": name, "lark_grammar": grammar})
+    return json.dumps({"grammars": out})

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="built-in name or HF checkpoint dir "
                    "(llama3-8b-random on a GPU, tiny-llama on a CPU)")
     p.add_argument("--policy", default="prefix", choices=CACHE_POLICIES, help="KV cache policy")
+    p.add_argument("--residual-fanout", action=argparse.BooleanOptionalAction, default=None,
+                   help="forkkv: requests write the other adapters' residuals (default: the engine's, on)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--dataset", default="fixed", choices=("fixed", "uniform", "sharegpt"))
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (fixed, uniform: 1024)")
@@ -284,8 +286,8 @@ def build_engine(args, cfg: ModelConfig, max_model_len: int):
     t = time.perf_counter()
     engine = forkjax.Engine.from_pretrained(
         args.model, adapters=agent_adapters(cfg, names, LORA_RANK, shared_a=False),
-        cache_policy=args.policy, dtype=args.dtype, kv_cache_bytes=args.kv_cache_bytes,
-        host_kv_bytes=args.host_kv_bytes,
+        cache_policy=args.policy, residual_fanout=args.residual_fanout, dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes, host_kv_bytes=args.host_kv_bytes,
         max_batch_size=args.max_batch_size, max_loras=len(names) + 1, lora_target_modules=ATTENTION,
         max_model_len=max_model_len, warmup=not args.no_warmup, progress=False, **extra)
     return engine, dict(build_s=time.perf_counter() - t, compile_s=engine.warmup_s)
@@ -297,7 +299,7 @@ def engine_config(engine, args) -> dict:
     return dict(max_batch_size=sched.max_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
                 max_model_len=engine.max_model_len, kv_pool_bytes=engine.runner.layout.nbytes,
                 max_loras=engine.config.max_loras, overlap=engine.overlap,
-                host_kv_bytes=args.host_kv_bytes,
+                residual_fanout=engine.config.residual_fanout, host_kv_bytes=args.host_kv_bytes,
                 lora_rank=LORA_RANK if args.adapters else None, lora_targets=list(ATTENTION))
 
 
@@ -345,6 +347,8 @@ def server_flags(args, names: list[str], max_model_len: int, device: dict) -> li
              "--max-model-len", str(max_model_len), "--max-loras", str(len(names) + 1),
              "--max-lora-rank", str(LORA_RANK), "--lora-target-modules", *ATTENTION,
              "--warmup", "none" if args.no_warmup else "full"]
+    if args.residual_fanout is not None:
+        flags.append("--residual-fanout" if args.residual_fanout else "--no-residual-fanout")
     for flag, value in (("--kv-cache-bytes", args.kv_cache_bytes), ("--max-prefill-tokens", args.max_prefill_tokens)):
         if value is not None:
             flags += [flag, str(value)]
@@ -405,7 +409,8 @@ def summary_line(r: dict) -> str:
     else:
         tail = (f"roofline {r['roofline_s']:.3f} s / {r['wall_s']:.3f} s = {r['efficiency']:.3f} "
                 f"(busy {r['efficiency_busy']:.3f}); compile {r['compile_s']:.1f} s")
-    return (f"{r['mode']} {'http ' if r['http'] else ''}{r['model']} {r['policy']} "
+    fanout = {None: "", True: " fan-out", False: " no fan-out"}[r["residual_fanout"]]
+    return (f"{r['mode']} {'http ' if r['http'] else ''}{r['model']} {r['policy']}{fanout} "
             f"{r['completed']}/{r['num_prompts']} req ({r['dataset']}), {r['adapters']} adapters: "
             f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} out tok/s, "
             f"{r['total_token_throughput']:.1f} tok/s; TTFT p50 {p('ttft_ms', 'p50')} p99 "

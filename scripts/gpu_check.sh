@@ -36,6 +36,9 @@
 #   http    bench_serving.py ShareGPT-like offline, 1,000 requests, `prefix`,   http/    ~6 min
 #           $HTTP_MODEL (llama3.1-8b-random): in process, then over HTTP (a `python -m
 #           forkjax.serve` process, the client in processes of its own)
+#   fanout  bench_serving.py ShareGPT-like offline in process, `forkkv`, 8 adapters,    fanout/  ~3 min a run
+#           $HTTP_MODEL: runs $FANOUT_RUNS (off,on; e.g. off,on2,off2: off* without fan-out,
+#           the others with it), $FANOUT_PROMPTS (1000) requests each
 #   http_online  the same model over HTTP at Poisson $HTTP_RATES (16) req/s,     http/    ~2 min a rate
 #           512 requests each ($HTTP_INPROC=1: in process too)
 #   external  aiperf (scripts/bench_external.sh) and bench_serving --http on     external/  ~4 min
@@ -194,6 +197,16 @@ print({f: r[f] for f in ("cache_files_before", "ready_s", "first_answer_s", "war
             --deselect "$t[full_reuse]" --deselect "$t[forkkv]" --deselect "$t[lrshared]" ;;
     swaps)
         run 420 swaps.log python3 -m pytest -q tests/test_engine_adapter_swap.py ;;
+    fanout)  # the default fan-out's cost on plain traffic: forkkv with and without it, in turn
+        shape="--model ${HTTP_MODEL:-llama3.1-8b-random} --dataset sharegpt --policy forkkv --adapters 8
+            --num-prompts ${FANOUT_PROMPTS:-1000}"
+        mkdir -p "$OUT/fanout"
+        for name in $(echo "${FANOUT_RUNS:-off,on}" | tr , ' '); do
+            flag=--residual-fanout; [ "${name%%[0-9]*}" = off ] && flag=--no-residual-fanout
+            timeout 400 python3 scripts/bench_serving.py $shape $flag --out "$OUT/fanout/$name" \
+                > "$OUT/fanout/$name.log" 2>&1
+            echo "fanout $name: rc=$? $(tail -1 "$OUT/fanout/$name.log")"
+        done ;;
     http | http_online)
         shape="--model ${HTTP_MODEL:-llama3.1-8b-random} --dataset sharegpt --policy prefix"
         mkdir -p "$OUT/http"

@@ -211,6 +211,51 @@ def test_required_tool_choice_and_the_next_turn(server):
         assert "<|tool|>\n12 C\n<|assistant|>\n" in prompt
 
 
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+          "required": ["city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_response_format_beside_tools_is_calls_or_the_final_answer(server, parallel):
+    """tool_choice auto with a response_format: the output is Hermes tool calls (parsed into
+    tool_calls) or a final message that follows the schema. A logit bias on the first byte of
+    each (`<` of `<tool_call>`, `{` of the answer) picks the branch a random model takes, one
+    on the end of text (id 257) ends it where the grammar allows."""
+    body = dict(messages=[{"role": "user", "content": "2 + 2?"}], tools=[CALC],
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+                parallel_tool_calls=parallel, temperature=0, max_tokens=100)  # a call: < 80 bytes
+    calling, answering = ({str(ord(first)): 100, "257": 100} for first in "<{")
+    with server.http() as http:
+        c = _chat(http, **body, logit_bias=calling)["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        calls = c["message"]["tool_calls"]
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call["function"]["name"] == "calculate"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), CALC["function"]["parameters"])
+        content, deltas, reason = _stream_chat(http, **body, logit_bias=calling)
+        assert reason == "tool_calls" and content == ""
+        assert [d["function"]["name"] for d in deltas] == [c["function"]["name"] for c in calls]
+
+        c = _chat(http, **body, logit_bias=answering)["choices"][0]
+        assert c["finish_reason"] == "stop" and "tool_calls" not in c["message"], c
+        jsonschema.validate(json.loads(c["message"]["content"]), ANSWER)
+        content, deltas, reason = _stream_chat(http, **body, logit_bias=answering)
+        assert reason == "stop" and not deltas and content == c["message"]["content"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calculate"}}])
+def test_response_format_waits_while_tool_choice_forces_a_call(server, choice):
+    """required or a named function: this turn calls; the schema is for a later turn's answer."""
+    with server.http() as http:
+        c = _chat(http, messages=[{"role": "user", "content": "2 + 2?"}], tools=[CALC], tool_choice=choice,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+                  parallel_tool_calls=False, temperature=0, max_tokens=100)["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+    (call,) = c["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), CALC["function"]["parameters"])
+
+
 def test_unconstrained_outputs_unchanged_beside_constrained_ones(server):
     """f32 greedy: requests run alone and beside running constrained ones give the same tokens.
     The constrained requests stream, and the unconstrained ones are sent once each constrained

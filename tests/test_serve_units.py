@@ -121,9 +121,12 @@ def test_cli_cache_flags_reach_the_engine():
     picked = [tuple(engine_kwargs(parse_args(argv)).get(k) for k in (*keys, "session_ttl_s"))
               for argv in ([], ["--residual-fanout", "--residual-fraction", "0.25", "--schedule-policy",
                                 "fifo", "--deterministic", "--warmup", "full", "--session-ttl", "5"],
-                           ["--warmup", "none"])]
-    assert picked == [(False, None, "lpm", False, "background", None),
+                           ["--warmup", "none", "--no-residual-fanout"])]
+    assert picked == [(None, None, "lpm", False, "background", None),
                       (True, 0.25, "fifo", True, "full", 5.0), (False, None, "lpm", False, "none", None)]
+    # unset: on under forkkv, where a second agent's full hit needs it, and off elsewhere
+    from forkjax.config import EngineConfig
+    assert [EngineConfig(cache_policy=p).residual_fanout for p in ("forkkv", "prefix")] == [True, False]
 
 
 @pytest.mark.parametrize("argv, message", [

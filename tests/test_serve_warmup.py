@@ -9,11 +9,11 @@ import time
 
 from serve_utils import STARTUP_S, complete, serve
 
-# forkkv without --residual-fanout: a request fans out only when it names its agents, so fan-out
+# forkkv with --no-residual-fanout: a request fans out only when it names its agents, so fan-out
 # runs programs of their own. One request at a time, 16-token chunks and one page-table width:
 # decode (1) and extend (1, 16), each also with fan-out inputs (width 6: max_loras 8 - 2), the
 # extend's score step with and without them, and six sampling programs of one row.
-ARGS = ["--dtype", "float32", "--cache-policy", "forkkv", "--residual-fraction", "0.5",
+ARGS = ["--dtype", "float32", "--cache-policy", "forkkv", "--no-residual-fanout", "--residual-fraction", "0.5",
         "--max-batch-size", "1", "--max-prefill-tokens", "16", "--max-model-len", "256",
         "--kv-cache-bytes", "1M", "--warmup", "background", "--host", "127.0.0.1", "--port", "0"]
 PLAN = "warm-up: 6 step programs (2 plain, 4 fan-out and score), 6 sampling programs"

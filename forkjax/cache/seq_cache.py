@@ -212,6 +212,11 @@ class SeqCache:
         return self.cached_len > before
 
     @property
+    def counts_hits(self) -> bool:
+        """Its hits are this request's first (`count_hits`), not a preempted one's rerun."""
+        return self._count_hits
+
+    @property
     def base_len(self) -> int:
         """Prompt tokens whose base K/V was found in the cache."""
         return self.base.hit_len

@@ -33,7 +33,7 @@ class Engine(EngineCore):
                         page_size=16, kv_cache_bytes=None, max_batch_size=None,
                         max_lora_rank=None, *, max_loras: int = 8, max_cpu_loras: int | None = None,
                         pinned_adapters=(), seed: int = 0,
-                        lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool = False,
+                        lora_target_modules=None, lora_path: str = "fused", residual_fanout: bool | None = None,
                         max_fanout_adapters: int | None = None, residual_fraction: float | None = None,
                         residual_copies: int | None = None,
                         schedule_policy: str = "lpm",
@@ -51,10 +51,11 @@ class Engine(EngineCore):
         that carry LoRA slots (default: those the start-up adapters target, all seven without
         any; adapters loaded later must fit in them). `lora_path`: "fused" (A as rows of each
         projection's GEMM) or "sgmv" (each token against its own adapter slot: the cost follows
-        the adapters in the batch, not max_loras; lora/layers.py). `residual_fanout` (`forkkv` only): a
-        request also writes the residuals of the other adapters in device slots (every other
-        loaded one while they fit) from its own hidden states, unless it names its group
-        (`fanout_adapters`); `max_fanout_adapters`: the most a request fans out to (residual rows
+        the adapters in the batch, not max_loras; lora/layers.py). `residual_fanout` (`forkkv` only; None: on
+        under `forkkv`): a request also writes the residuals of the other adapters in device
+        slots (every other loaded one while they fit) from its own hidden states, unless it names
+        its group (`fanout_adapters`), so that another agent's later request on its prefix is a
+        full hit; `max_fanout_adapters`: the most a request fans out to (residual rows
         a token writes beside its own, compiled into the step; default max_loras - 2, at most 6).
         `residual_fraction`: share of `kv_cache_bytes` for the residual
         pool, or `residual_copies` (`forkkv`): residual copies of each base token it holds room

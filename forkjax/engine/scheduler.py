@@ -169,6 +169,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
             seq.first_admitted = self.clock()
         seq.cache, seq.status = h, Status.RUNNING
         seq.num_computed = min(h.cached_len, seq.score_from if seq.score else len(seq) - 1)
+        if first:
+            seq.num_cached = min(seq.num_computed, len(seq.prompt))
         self._copies[seq.id] = ([], [])
         if seq.reuse_cache:
             self.inflight.register(seq, seq.num_computed, len(seq.prompt))
@@ -184,7 +186,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return
         self._seen[seq.id] = self.cache.versions
         if seq.cache.extend_hits(seq.tokens):
-            seq.num_computed = max(seq.num_computed, min(seq.cache.cached_len, len(seq) - 1))
+            before = seq.num_computed
+            seq.num_computed = max(before, min(seq.cache.cached_len, len(seq) - 1))
+            if seq.cache.counts_hits:  # not a preempted request's second run
+                n = len(seq.prompt)
+                seq.num_cached += min(seq.num_computed, n) - min(before, n)
         self._forget_dropped_fanout(seq)
 
     def drop_fanout(self, seq: Sequence, slots):

@@ -54,7 +54,7 @@ class Sequence:
     request's fields included (`seq.prompt` is `seq.req.prompt`)."""
 
     __slots__ = ("id", "req", "status", "output", "finish_reason", "error", "arrival", "priority",
-                 "first_admitted", "cache", "reuse_cache", "fanout", "key_ns", "num_computed",
+                 "first_admitted", "cache", "reuse_cache", "fanout", "key_ns", "num_computed", "num_cached",
                  "num_verified", "pending", "sample_row", "prompt_logits", "prompt_hidden", "output_logprobs",
                  "params", "slot", "lora_start", "score", "session_id", "targets", "guide")
 
@@ -80,6 +80,10 @@ class Sequence:
         self.fanout: dict = {}  # {adapter slot: key} of those, from when it starts
         self.key_ns: list = []  # (pool, namespace) of each pool it uses (inflight.pool_namespaces)
         self.num_computed = 0  # leading tokens whose K/V is in the cache for this request
+        # prompt tokens whose K/V came from the cache (full hits, or base hits where the policy
+        # reuses them) when it was first admitted, pages taken over from others meanwhile
+        # included: OpenAI's `usage.prompt_tokens_details.cached_tokens`
+        self.num_cached = 0
         # leading tokens computed by steps whose results were read and found finite: what a
         # finish may insert into the trees (with overlap a step still in flight is unchecked)
         self.num_verified = 0

@@ -393,6 +393,8 @@ class EngineCoreProc:
             if n == h.sent and not done:
                 continue
             out = m.Output(h.rid, h.index, list(seq.output[h.sent:n]))
+            if h.sent == 0:  # its prompt is in the cache by its first token
+                out.cached_tokens = seq.num_cached
             if seq.params.logprobs is not None:
                 out.logprobs = [[lp, top.tolist(), lps.tolist()]
                                 for lp, top, lps in seq.output_logprobs[h.sent:n]]

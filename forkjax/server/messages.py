@@ -176,6 +176,8 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     kind: ErrorKind | None = None
     queued_s: float | None = None  # on the last: arrival to first admission, in the core
+    # on the first: prompt tokens whose K/V came from the cache (Sequence.num_cached)
+    cached_tokens: int | None = None
 
 
 class Outputs(_Message):

@@ -16,10 +16,20 @@ def _omitted_if_none(default=None, **kw):
     return Field(default, exclude_if=lambda v: v is None, **kw)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens whose K/V came from the cache")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionLogprobs(BaseModel):
@@ -72,8 +82,8 @@ class CompletionResponse(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] | None = _omitted_if_none()
-    content: str | None = _omitted_if_none()
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None  # null beside tool_calls, as OpenAI sends it
     tool_calls: list[ToolCall] | None = _omitted_if_none()
 
 

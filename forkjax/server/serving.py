@@ -215,8 +215,7 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = [self.echo_text(p, ids) for p, ids in zip(_listed(req.prompt), prompts)] if req.echo else None
         token_ids = req.return_token_ids or self.tokenizer is None
-        usage = lambda n: UsageInfo(prompt_tokens=sum(map(len, prompts)), completion_tokens=n,  # noqa: E731
-                                    total_tokens=sum(map(len, prompts)) + n)
+        usage = lambda n: UsageInfo.of(sum(map(len, prompts)), n, gen.cached_tokens(req.n))  # noqa: E731
 
         def response(choices, usage=None):
             return CompletionResponse(id=rid, created=created, model=req.model or self.model_name,

@@ -20,7 +20,7 @@ from forkjax.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompl
 from forkjax.server.serving import OpenAIServing
 from forkjax.server.streaming import gather, sse, unless_disconnected
 from forkjax.server.structured import request_grammar
-from forkjax.server.tool_calls import parser_for, tool_grammar
+from forkjax.server.tool_calls import parser_for, tool_constraint
 
 
 def _finish_reason(reason: str | None, parser) -> str | None:
@@ -29,19 +29,26 @@ def _finish_reason(reason: str | None, parser) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def start_chat(self, req: ChatCompletionRequest):
+        """Queue `req`'s choices -> (their Generation, the prompt's token ids, a factory of one
+        choice's output parser: `parser_for`'s, None without tools). What every chat request
+        does before its answer takes its shape: the Responses API (serving_responses.py) shapes
+        the same choices its own way."""
         adapter = self.adapter_for(req.model)
         try:
             prompt = chat_prompt_ids(self.tokenizer, req.messages, req.add_generation_prompt,
                                      tool_dicts(req.tools), req.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        guided = request_grammar(req, tool_grammar(req))
+        guided = tool_constraint(req, request_grammar(req))
         budget = self.max_tokens(req.max_new_tokens, len(prompt), "messages")
         gen = await self.start(req, adapter, [prompt], [budget], guided)
+        return gen, prompt, lambda: parser_for(req)
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        gen, prompt, new_parser = await self.start_chat(req)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or self.model_name
-        usage = lambda n: UsageInfo(prompt_tokens=len(prompt), completion_tokens=n,  # noqa: E731
-                                    total_tokens=len(prompt) + n)
+        usage = lambda n: UsageInfo.of(len(prompt), n, gen.cached_tokens(req.n))  # noqa: E731
         logprobs = lambda e: (chat_logprobs(self.tokenizer, e.token_ids, e.logprobs)  # noqa: E731
                               if req.logprobs else None)
 
@@ -50,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
                 return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
             async def chunks():
-                parsers = [parser_for(req) for _ in range(gen.choices)]
+                parsers = [new_parser() for _ in range(gen.choices)]
                 for i in range(gen.choices):
                     yield chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 n = 0
@@ -69,11 +76,11 @@ class OpenAIServingChat(OpenAIServing):
             return sse(chunks(), gen)
 
         def choice(e) -> ChatChoice:
-            parser = parser_for(req)
+            parser = new_parser()
             text = e.text if parser is None else parser.add(e.text, final=True)[0]
             calls = parser.calls if parser is not None and parser.called else None
             return ChatChoice(index=e.index, message=ChatResponseMessage(
-                role="assistant", content=text if text or calls is None else None, tool_calls=calls),
+                content=text if text or calls is None else None, tool_calls=calls),
                 finish_reason=_finish_reason(e.finish_reason, parser), logprobs=logprobs(e),
                 token_ids=e.token_ids if req.return_token_ids else None)
 

@@ -47,12 +47,22 @@ class Generation:
         self.client, self.rid, self.queue, self.choices = client, rid, stream.queue, stream.choices
         self.detok = [IncrementalDetokenizer(tokenizer, stop, include_stop) for _ in range(self.choices)]
         self.open = set(range(self.choices))
+        self.cached = [0] * self.choices  # per choice: prompt tokens whose K/V came from the cache
+
+    def cached_tokens(self, per_prompt: int) -> int:
+        """Prompt tokens read from the cache, for `usage`: per prompt (its `per_prompt` choices
+        in a row), the fewest any of its choices read (a choice that computed the prompt while
+        another waited on its pages counts it as computed), summed over the prompts."""
+        c = self.cached
+        return sum(min(c[i:i + per_prompt]) for i in range(0, len(c), per_prompt))
 
     async def events(self) -> AsyncIterator[Event]:
         """The choices' new outputs until every choice ends."""
         while self.open:
             out = await self.queue.get()
             i = out.index
+            if out.cached_tokens is not None:
+                self.cached[i] = out.cached_tokens
             if i not in self.open:
                 continue  # a choice cut by a stop string: the tail of its abort
             if out.finish_reason == "shutdown":
@@ -82,6 +92,9 @@ class PromptOnly:
 
     def __init__(self, choices: int):
         self.choices = choices
+
+    def cached_tokens(self, per_prompt: int) -> int:
+        return 0
 
     async def events(self) -> AsyncIterator[Event]:
         for i in range(self.choices):

@@ -2,10 +2,10 @@
 (`SamplingParams.guided`; engine/guided.py applies it), or a 400 naming the field at fault.
 
 Sources, at most one a request: OpenAI's `response_format` (json_object, json_schema), vLLM's
-`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`,
-and a chat request's `tool_choice` (required or a named function: tool_calls.py builds its
-schema). A schema is compiled here, before anything is queued, so that a feature llguidance
-cannot enforce is refused with its name instead of being generated unconstrained.
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`.
+They constrain a final message: beside a chat request's tools, tool_calls.py combines the two as
+OpenAI defines it. A schema is compiled here, before anything is queued, so that a feature
+llguidance cannot enforce is refused with its name instead of being generated unconstrained.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ def lark_grammar(text: str, field: str) -> str:
     return checked(grammar, field)
 
 
-def request_grammar(req, tool_grammar: str | None = None) -> str | None:
-    """The grammar of `req`'s constraint (None: unconstrained); `tool_grammar`: a chat request's
-    tool_choice constraint, already built."""
+def request_grammar(req) -> str | None:
+    """The grammar of `req`'s output constraint (None: unconstrained)."""
     if req.guided_whitespace_pattern is not None:
         raise APIError(400, "guided_whitespace_pattern is not supported: JSON is generated without free "
                             "whitespace", param="guided_whitespace_pattern")
@@ -99,10 +98,8 @@ def request_grammar(req, tool_grammar: str | None = None) -> str | None:
                  "grammar": lark_grammar,
                  "json_object": lambda _, f: json_grammar({"type": "object"}, f)}[kind]
         found.append(lambda: build(value, f"structured_outputs.{kind}"))
-    if tool_grammar is not None:
-        found.append(lambda: tool_grammar)
     if len(found) > 1:
-        raise APIError(400, "at most one output constraint per request: response_format, guided_*, "
-                            "structured_outputs and a tool_choice of required or a function exclude "
-                            "each other", param="response_format" if fmt is not None else None)
+        raise APIError(400, "at most one output constraint per request: response_format, guided_* "
+                            "and structured_outputs exclude each other",
+                       param="response_format" if fmt is not None else None)
     return found[0]() if found else None

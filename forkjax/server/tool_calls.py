@@ -1,19 +1,22 @@
 """Tool calls of a chat completion: the constraint of `tool_choice` and the calls read back from
 the generated text, whole or as stream deltas.
 
-  tool_choice  constraint (structured.py)                 calls read from the output
-  none         none                                       none: the text is the content
-  auto         none                                       Hermes format (vLLM's hermes parser):
-                                                          <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+  tool_choice  constraint                                 calls read from the output
+  none         the final message's (structured.py)        none: the text is the content
+  auto         none, or with a final message's            Hermes format (vLLM's hermes parser):
+               constraint, either Hermes calls or a final <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+               message that follows it (one grammar)
   required     a JSON array of {"name", "parameters"}     every entry (vLLM's format)
                (one entry without parallel_tool_calls)
   a function   that function's parameters schema          the whole output is its arguments
 
-`ToolCallParser` reads the text as it streams: content passes through until a call starts; a
-named function's or a `required` call's arguments stream as they come (the latter's once its
-name is complete); a Hermes call is sent whole once its JSON is complete. A non-streaming
-response runs the same parser over its whole text, so both agree (a call cut by max_tokens
-keeps the arguments it got). Hermes text that does not parse as a call stays content.
+A final message's constraint (`response_format` and the like) applies to the turn that answers
+rather than calls, as OpenAI defines it: with `required` or a named function the turn calls, so
+it waits for a later turn. `ToolCallParser` reads the text as it streams: content passes through
+until a call starts; a named function's or a `required` call's arguments stream as they come
+(the latter's once its name is complete); a Hermes call is sent whole once its JSON is complete.
+A non-streaming response runs the same parser over its whole text, so both agree (a call cut by
+max_tokens keeps the arguments it got). Hermes text that does not parse as a call stays content.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import uuid
 
 from forkjax.server.protocol_tools import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                            NamedToolChoice, ToolCall)
-from forkjax.server.structured import json_grammar
+from forkjax.server.structured import checked, json_grammar
+from forkjax.structured_output import with_grammars
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # A call of `required`'s array up to its parameters: the previous call's closing brace, if any,
@@ -37,20 +41,35 @@ def parameters(tool) -> dict:
     return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
 
 
-def tool_grammar(req) -> str | None:
-    """The grammar `req.tool_choice` imposes (None: auto, none, or no tools)."""
+def tool_constraint(req, final: str | None) -> str | None:
+    """The grammar of a chat request's output, given `final`, the grammar of its final message's
+    constraint (structured.request_grammar; None: none)."""
     choice = req.tool_choice
+    if not req.tools or choice == "none":
+        return final
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in req.tools if t.function.name == choice.function.name)
         return json_grammar(parameters(tool), f"tools.{tool.function.name}.parameters")
-    if choice != "required":
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1, "items": _calls_schema(req.tools, "parameters")}
+        if req.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return json_grammar(calls, "tools")
+    if final is None:
         return None
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": parameters(t)},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]}}
-    if req.parallel_tool_calls is False:
-        calls["maxItems"] = 1
-    return json_grammar(calls, "tools")
+    # auto: Hermes calls, as the chat template asks for them, or the final message
+    call = json_grammar(_calls_schema(req.tools, "arguments"), "tools")
+    more = ' ("\\n" call)*' if req.parallel_tool_calls is not False else ""
+    return checked(with_grammars(f'start: calls | @final\ncalls: call{more}\n'
+                                 f'call: "{CALL_OPEN}\\n" @call "\\n{CALL_CLOSE}"\n',
+                                 call=call, final=final), "tools")
+
+
+def _calls_schema(tools, arguments: str) -> dict:
+    """One call of any of `tools`: {"name": its name, `arguments`: its parameters}."""
+    return {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": t.function.name}, arguments: parameters(t)},
+         "required": ["name", arguments], "additionalProperties": False} for t in tools]}
 
 
 def parser_for(req) -> ToolCallParser | None:
