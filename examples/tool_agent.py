@@ -17,14 +17,11 @@ often not the right ones.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import tempfile
 
 import openai
 
-from forkjax.workflows.local_server import ServerProcess
+from forkjax.workflows.local_server import add_server_args, server_url
 
 AGES = {"Ana Silva": 34, "Ben Novak": 52, "Chen Wei": 47}
 QUESTION = "What is the sum of the ages of Ana Silva and Ben Novak?"
@@ -98,20 +95,12 @@ def agent_loop(client: openai.OpenAI, model: str, turns: int, stream: bool, max_
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"),
-                   help="a running server's /v1 URL (default: start one for --model)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
-    p.add_argument("--model", default="smollm2-135m")
+    add_server_args(p)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream", action="store_true", help="stream each turn, reassembling its tool calls")
     args = p.parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        base_url = args.base_url
-        if base_url is None:
-            log = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "server.log")
-            print(f"=== starting python -m forkjax.serve --model {args.model} (log: {log})", flush=True)
-            base_url = stack.enter_context(ServerProcess(args.model, SERVER_ARGS, log_path=log)).url + "/v1"
+    with server_url(args, SERVER_ARGS) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key)
         answer = agent_loop(client, args.model, args.turns, args.stream, args.max_tokens)
         print(f"=== answer: {answer if answer is not None else '(none within the turns)'} "

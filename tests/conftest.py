@@ -114,3 +114,9 @@ def server(tmp_path_factory):
 def forkkv_server(tmp_path_factory):
     from serve_utils import FORKKV_ARGS, serve
     yield from serve(tmp_path_factory, FORKKV_ARGS)
+
+
+@pytest.fixture(scope="session")
+def agents_server(tmp_path_factory):
+    from serve_utils import AGENTS_ARGS, serve
+    yield from serve(tmp_path_factory, AGENTS_ARGS)

@@ -6,7 +6,8 @@ runs any server test, so every test sees only its own worker's traffic and may r
 server's counters. `server` runs the exact `prefix` policy in float32 (concurrent answers must
 equal one-by-one answers), small compile buckets, a 1024-token context and a KV pool smaller than
 that context (to reach the "does not fit the pool" error). Residual fan-out needs `forkkv`: one
-test uses a second, smaller server for it.
+test uses a second, smaller server for it. The agent frameworks' tests use a third,
+`agents_server`, whose context holds their longer prompts (AGENTS_ARGS).
 """
 
 from __future__ import annotations
@@ -60,11 +61,22 @@ class Server:
         return out
 
 
-# Fan-out on: every request writes every adapter's residual unless it names its group. One
-# request at a time and 32-token prefill chunks: three programs to compile.
-FORKKV_ARGS = ["--dtype", "float32", "--cache-policy", "forkkv", "--residual-fanout", "--residual-fraction",
-               "0.5", "--max-batch-size", "1", "--max-prefill-tokens", "32", "--max-model-len", "128",
+# Fan-out on, forkkv's default: every request writes every adapter's residual unless it names its
+# group. One request at a time and 32-token prefill chunks: three programs to compile.
+FORKKV_ARGS = ["--dtype", "float32", "--cache-policy", "forkkv", "--residual-fraction", "0.5",
+               "--max-batch-size", "1", "--max-prefill-tokens", "32", "--max-model-len", "128",
                "--kv-cache-bytes", "1M", "--host", "127.0.0.1", "--port", "0"]
+
+# The agent frameworks' server (test_agents_*.py). Their prompts carry tool schemas and
+# instructions in the chat template's Hermes system message: 1-2 KB, which tiny-llama's byte
+# tokenizer makes 1-2k tokens, past `server`'s 1024-token context. A 4096-token context, a pool
+# for a few such prompts, and no warm-up: the tests compile only the step programs they use. The
+# exact `prefix` policy: an adapter's answer does not depend on which adapter computed the K/V of
+# its prompt's prefix first, so whether random weights call a tool again or answer does not
+# depend on the order the tests ran in.
+AGENTS_ARGS = ["--dtype", "float32", "--cache-policy", "prefix", "--max-model-len", "4096",
+               "--kv-cache-bytes", "16M", "--max-prefill-tokens", "512", "--max-batch-size", "4",
+               "--warmup", "none", "--api-key", KEY, "--host", "127.0.0.1", "--port", "0"]
 
 
 def serve(tmp_path_factory, args: list[str]):

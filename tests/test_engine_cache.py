@@ -72,8 +72,9 @@ def test_prefix_many_adapters_exact_from_cache_hits(hf_suite, engine_for):
 
 
 def _fork(policy, adapters, prompt):
+    """a1 scores a prompt a0 scored; without fan-out, a forkkv reader computes its own residual."""
     e = forkjax.Engine.from_pretrained("tiny-llama", adapters=adapters, dtype="float32",
-                                       cache_policy=policy, **SMALL)
+                                       cache_policy=policy, residual_fanout=False, **SMALL)
     e.score(prompt, adapter="a0")
     before = e.stats()
     out = e.score(prompt, adapter="a1")
@@ -238,7 +239,7 @@ def test_a_fork_of_another_agents_prefix_matches_the_reference(hf_suite, policy)
     engine = forkjax.Engine.from_pretrained(
         base, adapters={w: adapters[w] for w in ("all4rs", "qkvo8")}, dtype="float32",
         cache_policy=policy.removesuffix("+fanout"), **SMALL)
-    fan = ["qkvo8"] if policy == "forkkv+fanout" else None
+    fan = ["qkvo8"] if policy == "forkkv+fanout" else []
     engine.generate([context], adapters=["all4rs"], max_new_tokens=1, fanout_adapters=fan)
     got = engine.score(prompt, adapter="qkvo8")
     assert engine.stats()["base_hit_tokens"] >= 64

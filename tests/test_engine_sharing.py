@@ -47,7 +47,7 @@ PROMPTS = [PREFIX + t for t in TAILS]
 @pytest.mark.parametrize("policy,names", [("forkkv", ["a0", "a1", "a2", "a3"]),
                                           ("prefix", ["a0"] * 4)])
 def test_requests_submitted_together_compute_a_shared_prefix_once(policy, names):
-    engine = _engine(policy)
+    engine = _engine(policy, residual_fanout=False)  # forkkv: each agent computes its residual
     peak = []
     outs = _run(engine, PROMPTS, names, watch=lambda e: peak.append(e.stats()["base_pages_used"]))
     s = engine.stats()
@@ -58,7 +58,7 @@ def test_requests_submitted_together_compute_a_shared_prefix_once(policy, names)
         assert s["prefill_tokens_computed"] == 512 + 4 * 20
     else:  # each agent computes its own residual of the prefix, reading the leader's base
         assert s["prefill_tokens_computed"] == 4 * 532
-    one_by_one = _engine(policy)
+    one_by_one = _engine(policy, residual_fanout=False)
     assert outs == [_run(one_by_one, [p], [n])[0] for p, n in zip(PROMPTS, names)]
 
 

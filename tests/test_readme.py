@@ -131,7 +131,7 @@ def run_snippet(code: str, shell: bool = False) -> str:
 
 
 SNIPPETS = snippets()
-SERVING = [code for _, code in SNIPPETS if "openai.OpenAI(" in code]
+SERVING = [code for _, code in SNIPPETS if re.search(r"openai\.(Async)?OpenAI\(", code)]
 CURL = [code for _, code in snippets("bash") if re.search(r"^curl ", code, re.M)]
 
 

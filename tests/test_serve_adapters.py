@@ -158,22 +158,27 @@ class _Trap:
 def test_fanout_writes_the_named_agents_residuals(forkkv_server):
     """After planner's request writes coder's residual, coder's request on that prompt computes only
     its tail; critic's, not named, computes its whole prompt. Without the field the server's
-    --residual-fanout writes every adapter's."""
+    default fan-out writes every adapter's, and each later agent's `usage` reports the cached
+    prompt tokens."""
     computed = "forkjax:prefill_tokens_computed_total"
 
-    def cost(model, prompt, **extra) -> float:
+    def cost(model, prompt, **extra) -> tuple[float, int]:
         before = forkkv_server.metrics()[computed]
-        complete(http, model=model, prompt=prompt, max_tokens=2, **extra)
-        return forkkv_server.metrics()[computed] - before
+        usage = complete(http, model=model, prompt=prompt, max_tokens=2, **extra)["usage"]
+        return forkkv_server.metrics()[computed] - before, usage["prompt_tokens_details"]["cached_tokens"]
 
     page = 16
     named, every = "The plan the coder reads next, one page and more.", "Every agent reads this prompt again."
     with forkkv_server.http() as http:
-        assert cost("planner", named, fanout_adapters=["coder"], session_id="wf") >= len(named)
-        assert cost("coder", named, session_id="wf") < page
-        assert cost("critic", named) >= len(named) - page
-        assert cost("planner", every) >= len(every)
-        assert [cost(agent, every) < page for agent in ("coder", "critic")] == [True, True]
+        assert cost("planner", named, fanout_adapters=["coder"], session_id="wf")[0] >= len(named)
+        assert cost("coder", named, session_id="wf")[0] < page
+        assert cost("critic", named)[0] >= len(named) - page
+        n = len(every) + 1  # the prompt's bytes and BOS
+        ran, cached = cost("planner", every)
+        assert ran + cached == n and cached <= 1  # BOS at most (another's hit, in part of a page)
+        whole = n // page * page  # the residuals fan-out wrote: the prompt's whole pages
+        for agent in ("coder", "critic"):
+            assert cost(agent, every) == (n - whole, whole)
         before = forkkv_server.metrics()
         r = http.post("/v1/completions", json={"model": "planner", "prompt": every, "fanout_adapters": ["nope"]})
         assert r.status_code == 404 and r.json()["error"]["param"] == "fanout_adapters"

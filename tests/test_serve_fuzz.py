@@ -24,11 +24,13 @@ def test_fuzz_openapi_schema_finds_no_5xx(server):
     def tame(case):
         body = case.body
         if isinstance(body, dict):
-            for field in ("max_tokens", "max_completion_tokens"):
+            for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 if type(body.get(field)) is int and 8 < body[field] <= CONTEXT:
                     body[field] = 8
             if "messages" in body and not body.get("max_tokens") and not body.get("max_completion_tokens"):
                 body["max_completion_tokens"] = 8
+            if "input" in body and not body.get("max_output_tokens"):  # /v1/responses
+                body["max_output_tokens"] = 8
             if type(body.get("n")) is int and 2 < body["n"] <= 64:
                 body["n"] = 2
             if body.get("lora_name") in DEMO:  # keep the other tests' adapters

@@ -23,8 +23,11 @@ from forkjax.server.metrics import CONTENT_TYPE, ServerMetrics
 from forkjax.server.middleware import RequestGuard
 from forkjax.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                      LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, shutting_down)
+from forkjax.server.protocol_responses import ResponsesRequest
 from forkjax.server.responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
+from forkjax.server.responses_output import ResponseObject
 from forkjax.server.serving_chat import OpenAIServingChat
+from forkjax.server.serving_responses import OpenAIServingResponses
 from forkjax.server.tokenize import (
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, detokenize, tokenize)
 from forkjax.server.validation import describe_errors
@@ -44,6 +47,7 @@ def create_app(client: CoreClient, *, model_name: str, model_root: str, api_key:
     info = client.info
     tokenizer = load_tokenizer(info.tokenizer)
     serving = OpenAIServingChat(client, model_name, tokenizer)
+    serving_responses = OpenAIServingResponses(serving)
     metrics = ServerMetrics(model_name)
     client.on_output = metrics.observe
     created = int(time.time())
@@ -114,6 +118,10 @@ def create_app(client: CoreClient, *, model_name: str, model_root: str, api_key:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await serving.create_chat_completion(body, raw)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=GENERATION_RESPONSES)
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await serving_responses.create_response(body, raw)
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERRORS)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:

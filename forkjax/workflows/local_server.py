@@ -1,5 +1,5 @@
 """A real `python -m forkjax.serve` in a process of its own, as a user runs it, for the HTTP
-benchmarks to drive.
+benchmarks and the examples to drive.
 
 The server and its engine own the device: the benchmark's process sends requests and reads
 /metrics and must not start a JAX backend itself (on a GPU that takes 75% of its memory).
@@ -10,11 +10,14 @@ server starts. The adapters the benchmark built in memory reach the server as PE
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -26,6 +29,29 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # Past this the server's own drain (--shutdown-timeout, 30 s) has had its chance: kill it.
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL_CHARS = 4000
+
+
+def add_server_args(p: argparse.ArgumentParser, model: str = "smollm2-135m"):
+    """An example's way to its server: --base-url (a running one), else one it starts for --model;
+    --api-key."""
+    p.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"),
+                   help="a running server's /v1 URL (default: start one for --model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))
+    p.add_argument("--model", default=model, help="the base model of a server this starts")
+
+
+@contextlib.contextmanager
+def server_url(args: argparse.Namespace, server_args: list[str]):
+    """`args.base_url`, or the /v1 URL of a server started for `args.model` with `server_args`
+    (add_server_args), stopped on leaving."""
+    if args.base_url is not None:
+        yield args.base_url
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "server.log")
+        print(f"=== starting python -m forkjax.serve --model {args.model} (log: {log})", flush=True)
+        with ServerProcess(args.model, server_args, log_path=log) as server:
+            yield server.url + "/v1"
 
 
 def _env(env: dict | None) -> dict:
