@@ -39,9 +39,10 @@ def main(argv=None):
     p.add_argument("--agents", default="extractor,critic", help="two adapters, in turn")
     p.add_argument("--entries", type=int, default=40, help="directory entries (~27 tokens each)")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0, help="the directory and the questions")
     args = p.parse_args(argv)
     first, second = args.agents.split(",")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     records = tasks.directory(rng, args.entries)
     context = tasks.context_text(records)
     with server_url(args, []) as base_url:
