@@ -166,6 +166,8 @@ def test_streaming_equals_non_streaming(server):
     assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == full["token_ids"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert usage["completion_tokens"] == 12
+    # the same prompt again on the same adapter: all of it but its last token read from the cache
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
 def test_chat_and_chat_stream(server):
