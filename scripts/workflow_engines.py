@@ -66,8 +66,8 @@ def server_flags(args, policy: str, names: list[str], max_model_len: int) -> lis
              "--warmup", "none" if args.no_warmup else "full"]
     if args.max_batch_size is not None:
         flags += ["--max-batch-size", str(args.max_batch_size)]
-    if policy == "forkkv+fanout":
-        flags.append("--residual-fanout")
+    if policy in ("forkkv", "forkkv+fanout"):  # the server's default for forkkv is fan-out on
+        flags.append("--residual-fanout" if policy == "forkkv+fanout" else "--no-residual-fanout")
     for key, value in residual_sizing(args, policy).items():
         if value is not None:
             flags += [f"--{key.replace('_', '-')}", str(value)]

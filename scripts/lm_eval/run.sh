@@ -5,7 +5,8 @@
 #   scripts/lm_eval/run.sh POLICY [LM_EVAL_VENV] [OUT_DIR]
 #
 #   POLICY        prefix | full_reuse | forkkv | forkkv+fanout | lrshared
-#                 (forkkv+fanout = --cache-policy forkkv --residual-fanout)
+#                 (forkkv = --cache-policy forkkv --no-residual-fanout; forkkv+fanout, the
+#                 server's default for forkkv = --cache-policy forkkv --residual-fanout)
 #   LM_EVAL_VENV  a venv with lm_eval[api]==0.4.13 and transformers (default /tmp/lme); see
 #                 scripts/lm_eval/README.md for how it was built (no torch needed)
 #   OUT_DIR       default /tmp/forkjax-lm-eval/<POLICY>[-<ADAPTERS>]
@@ -38,7 +39,8 @@ TASKS=${TASKS:-forkjax_mc forkjax_gen}
 ADAPTER_ROOT="$ROOT/forkjax/models/adapters/smollm2-135m"
 
 case "$POLICY" in
-  prefix|full_reuse|forkkv|lrshared) CACHE_ARGS=(--cache-policy "$POLICY") ;;
+  prefix|full_reuse|lrshared) CACHE_ARGS=(--cache-policy "$POLICY") ;;
+  forkkv) CACHE_ARGS=(--cache-policy forkkv --no-residual-fanout) ;;
   forkkv+fanout) CACHE_ARGS=(--cache-policy forkkv --residual-fanout) ;;
   *) echo "run.sh: unknown policy $POLICY" >&2; exit 2 ;;
 esac
