@@ -108,9 +108,10 @@ def test_cache_salt_blocks_sharing_across_salts_and_allows_it_within_one(policy,
     engine = _engine(policy, GOOD)
     prompt = _prompt(5, 96)  # 6 whole pages
 
-    def hits(adapter, salt):
+    def hits(adapter, salt, fanout=(), tokens=prompt):  # (): no fan-out; None: the default's
         engine.reset_stats()
-        engine.generate([prompt + [7]], adapter, max_new_tokens=2, cache_salt=salt)
+        engine.generate([tokens + [7]], adapter, max_new_tokens=2, cache_salt=salt,
+                        fanout_adapters=None if fanout is None else list(fanout))
         s = engine.stats()
         return s["base_hit_tokens"], s["residual_hit_tokens"]
 
@@ -120,5 +121,9 @@ def test_cache_salt_blocks_sharing_across_salts_and_allows_it_within_one(policy,
     assert hits(names[1], "tenant-a")[0] == 96  # the same salt: the base is shared
     if policy == "forkkv":  # a residual only with its own agent within that salt
         assert hits("a0", "tenant-a") == (96, 96) and hits("a0", "tenant-b") == (96, 0)
+        # the default fan-out writes the other agents' residuals within its request's salt only
+        other = _prompt(6, 96)
+        assert hits("a1", "tenant-c", None, other) == (0, 0)
+        assert hits("a0", "tenant-c", (), other) == (96, 96) and hits("a0", "tenant-d", (), other) == (0, 0)
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request(prompt, "a0", cache_salt="")

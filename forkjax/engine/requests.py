@@ -98,7 +98,8 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
     (none, or the other adapters in device slots now: every loaded one while they fit in
     `max_loras`, at most `max_fanout_adapters`). ValueError if they are more than
     `max_fanout_adapters` or they and `own` cannot be in device slots at once."""
-    if names is None:
+    default = names is None
+    if default:
         names = slot_fanout(slots, own, config.fanout_width) if config.residual_fanout else []
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise InvalidArgument("fanout_adapters",
@@ -121,10 +122,23 @@ def fanout_targets(slots: AdapterSlots, config: EngineConfig, own: str | None, o
         raise InvalidArgument("fanout_adapters", f"fanout_adapters names {len(out)} adapters, more "
                               f"than the engine's max_fanout_adapters={config.fanout_width} (a width "
                               "of its compiled step; set it at start, up to max_loras - 2)")
+    if default:  # the default fans out to those that fit beside the request's own adapter
+        fit = {}
+        for name, key in out.items():
+            need = {own, *fit, name} - {None}
+            if len(need) <= _room(slots, need):
+                fit[name] = key
+        out = fit
     need = {own, *out} - {None}
-    room = slots.num_slots - 1 - len(slots.pinned - need)
+    room = _room(slots, need)
     if len(need) > room:
         raise InvalidArgument("fanout_adapters", f"the request needs {len(need)} adapters in device "
                               f"slots at once (its own and its fan-out targets) but {room} slots can "
                               f"take them (max_loras={slots.num_slots}, pinned: {sorted(slots.pinned)})")
     return out
+
+
+def _room(slots: AdapterSlots, need: set) -> int:
+    """Device slots adapters `need` can take at once: all but the base model's and those of the
+    other pinned adapters."""
+    return slots.num_slots - 1 - len(slots.pinned - need)

@@ -140,10 +140,14 @@ def _with_fanout(write, qkv: QKV, fan_slots, fan_adapters, checks: list):
 
     def write_all(pools, layer, base_slots, res_slots, k, v, xa_k=None, xa_v=None):
         res_slots = jnp.concatenate([res_slots[:, None], fan_slots], axis=1)  # [T, 1 + F]
-        xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), jnp.take_along_axis(
-            qkv.all_slots_xa(part), fan_adapters[..., None], axis=1)], axis=1)  # [T, 1 + F, R]
-                      for own, part in ((xa_k, "k_proj"), (xa_v, "v_proj")))
-        checks.append(jnp.isfinite(xa_k[:, 1:]).all(-1) & jnp.isfinite(xa_v[:, 1:]).all(-1))
+        fan_k, fan_v = (jnp.take_along_axis(qkv.all_slots_xa(part), fan_adapters[..., None], axis=1)
+                        for part in ("k_proj", "v_proj"))  # [T, F, R]
+        finite_k, finite_v = jnp.isfinite(fan_k), jnp.isfinite(fan_v)
+        checks.append(finite_k.all(-1) & finite_v.all(-1))
+        # A non-finite residual is reported (never cached) and written as zeros: its page outlives
+        # this request, and a later reader weighting the stale value by 0 would still get NaN.
+        xa_k, xa_v = (jnp.concatenate([own[:, None].astype(qkv.y.dtype), jnp.where(finite, fan, 0)], axis=1)
+                      for own, fan, finite in ((xa_k, fan_k, finite_k), (xa_v, fan_v, finite_v)))  # [T, 1 + F, R]
         return write(pools, layer, base_slots, res_slots, k, v, xa_k, xa_v)
     return write_all
 

@@ -31,7 +31,7 @@ def run_in_process(engine, workflows, *, fanout: bool = False, session_hints: bo
     """Run `workflows` (a list, all at t=0, or a loop.WorkflowSource of N slots) to completion
     on `engine`. `fanout`: each request names its `fanout_adapters` (the agents of its workflow
     that read its prefix later, [] for none), whose residuals a `residual_fanout` engine then
-    writes too; otherwise the engine's default. `session_hints`: each request carries its
+    writes too; otherwise none. `session_hints`: each request carries its
     workflow's final length (`session_tokens`)."""
     live: dict[int, tuple] = {}  # seq.id -> (seq, call)
     with ClosedLoop(workflows, session_hints=session_hints, progress=progress, desc=desc,
@@ -73,4 +73,4 @@ def _submit(engine, loop: ClosedLoop, call: Call, fanout: bool):
     guided = None if req.guided_json is None else json_schema_grammar(req.guided_json)
     params = SamplingParams(max_new_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
     return engine.add_request(req.prompt, req.adapter, params, **loop.fields(call),
-                              fanout_adapters=list(req.fanout_adapters) if fanout else None)
+                              fanout_adapters=list(req.fanout_adapters) if fanout else [])

@@ -85,8 +85,9 @@ def request_body(loop: ClosedLoop, call: Call, fanout: bool, base_model: str | N
         extra.update(lora_path=req.adapter, prompt_token_ids=list(req.prompt))
         prompt = ""
     extra.update({k: v for k, v in loop.fields(call).items() if v is not None and v is not False})
-    if fanout:  # [] for none: an absent list means the server's default (every adapter)
-        extra["fanout_adapters"] = list(req.fanout_adapters)
+    # always named ([] for none): an absent list means the server's default, under forkkv every
+    # adapter in a slot, which is not what a run without fan-out measures
+    extra["fanout_adapters"] = list(req.fanout_adapters) if fanout else []
     if req.guided_json is not None:
         extra["guided_json"] = req.guided_json
     return dict(model=base_model or req.adapter, prompt=prompt, max_tokens=req.max_tokens, temperature=0,
