@@ -23,38 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Annotated, Literal
 
 import numpy as np
 from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_client,
                     set_tracing_disabled)
 from openai import AsyncOpenAI
-from pydantic import BaseModel, Field
 
 from forkjax.workflows import tasks
 from forkjax.workflows.local_server import add_server_args, server_url
 
+from directory_answers import Entry, Verdict, calculate  # examples/directory_answers.py
+
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--warmup", "none"]
-Word = Annotated[str, Field(pattern=r"^[A-Za-z ]{1,30}$")]  # bounded, so noise ends too
-Age = Annotated[int, Field(ge=0, le=120)]
-
-
-class Entry(BaseModel):
-    name: Word
-    age: Age
-    city: Word
-    job: Word
-
-
-class Verdict(BaseModel):
-    city: Word  # the directory's city first, as the critic was trained to answer
-    verdict: Literal["yes", "no"]
-
-
-@function_tool
-def calculate(expression: Annotated[str, Field(pattern=r"^[0-9]{1,3} \+ [0-9]{1,3}$")]) -> int:
-    """Add two ages, e.g. 61 + 69."""
-    return sum(int(x) for x in expression.split("+"))
+calculate = function_tool(calculate)
 
 
 async def run(agents: list[str], seed: int, max_tokens: int) -> None:

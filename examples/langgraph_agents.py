@@ -21,7 +21,7 @@ to write `Action: calculate[a + b]`, calls the tool well-formed but often with o
 from __future__ import annotations
 
 import argparse
-from typing import Annotated, Literal, TypedDict
+from typing import TypedDict
 
 import numpy as np
 from langchain_core.messages import HumanMessage, SystemMessage
@@ -29,31 +29,14 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import ToolNode
-from pydantic import BaseModel, Field
 
 from forkjax.workflows import tasks
 from forkjax.workflows.local_server import add_server_args, server_url
 
+from directory_answers import Entry, Verdict, calculate  # examples/directory_answers.py
+
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--warmup", "none"]
-Word = Annotated[str, Field(pattern=r"^[A-Za-z ]{1,30}$")]  # bounded, so noise ends too
-
-
-class Entry(BaseModel):
-    name: Word
-    age: int = Field(ge=0, le=120)
-    city: Word
-    job: Word
-
-
-class Verdict(BaseModel):
-    city: Word  # the directory's city first, as the critic was trained to answer
-    verdict: Literal["yes", "no"]
-
-
-@tool
-def calculate(expression: Annotated[str, Field(pattern=r"^[0-9]{1,3} \+ [0-9]{1,3}$")]) -> int:
-    """Add two ages, e.g. 61 + 69."""
-    return sum(int(x) for x in expression.split("+"))
+calculate = tool(calculate)
 
 
 class State(TypedDict, total=False):  # what the nodes read and write

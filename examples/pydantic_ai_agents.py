@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Annotated, Literal
 
 import numpy as np
 from openai import AsyncOpenAI
-from pydantic import BaseModel, Field
 from pydantic_ai import Agent, NativeOutput
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -35,25 +33,9 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from forkjax.workflows import tasks
 from forkjax.workflows.local_server import add_server_args, server_url
 
+from directory_answers import Entry, Verdict, calculate  # examples/directory_answers.py
+
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--warmup", "none"]
-Word = Annotated[str, Field(pattern=r"^[A-Za-z ]{1,30}$")]  # bounded, so noise ends too
-
-
-class Entry(BaseModel):
-    name: Word
-    age: int = Field(ge=0, le=120)
-    city: Word
-    job: Word
-
-
-class Verdict(BaseModel):
-    city: Word  # the directory's city first, as the critic was trained to answer
-    verdict: Literal["yes", "no"]
-
-
-def calculate(expression: Annotated[str, Field(pattern=r"^[0-9]{1,3} \+ [0-9]{1,3}$")]) -> int:
-    """Add two ages, e.g. 61 + 69."""
-    return sum(int(x) for x in expression.split("+"))
 
 
 async def run(client: AsyncOpenAI, agents: list[str], seed: int, max_tokens: int) -> None:
