@@ -188,6 +188,8 @@ def test_previous_response_id_continues_the_conversation(server):
     ("text", {"format": {"type": "text"}, "verbosity": "low"}),
     ("stream_options", {"include_obfuscation": True}),
     ("session_end", True),  # without session_id, as the chat endpoint refuses it
+    ("tool_choice", "required"),  # without tools
+    ("tool_choice", {"type": "function", "name": "nope"}),
 ])
 def test_unsupported_fields_are_refused_naming_them(server, field, value):
     with server.http() as http:
