@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=160)
     args = p.parse_args(argv)
     set_tracing_disabled(True)  # traces would go to OpenAI's platform
-    with server_url(args, SERVER_ARGS) as base_url:
+    with server_url(args.base_url, args.model, SERVER_ARGS) as base_url:
         # every Agent's `model` (an adapter name) goes to this server, by the Responses API
         set_default_openai_client(AsyncOpenAI(base_url=base_url, api_key=args.api_key), use_for_tracing=False)
         asyncio.run(run(args.agents.split(","), args.seed, args.max_tokens))

@@ -86,7 +86,7 @@ def main(argv=None):
     agents, rng = args.agents.split(","), np.random.default_rng(args.seed)
     records = tasks.directory(rng, 8)
     person, other = (records[i] for i in rng.choice(len(records), 2, replace=False))
-    with server_url(args, SERVER_ARGS) as base_url:
+    with server_url(args.base_url, args.model, SERVER_ARGS) as base_url:
 
         def chat(adapter: str) -> ChatOpenAI:
             return ChatOpenAI(model=adapter, base_url=base_url, api_key=args.api_key, temperature=0,

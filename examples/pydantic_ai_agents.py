@@ -76,7 +76,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the staff directory and the questions")
     p.add_argument("--max-tokens", type=int, default=160)
     args = p.parse_args(argv)
-    with server_url(args, SERVER_ARGS) as base_url:
+    with server_url(args.base_url, args.model, SERVER_ARGS) as base_url:
         client = AsyncOpenAI(base_url=base_url, api_key=args.api_key)
         asyncio.run(run(client, args.agents.split(","), args.seed, args.max_tokens))
 

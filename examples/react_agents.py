@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
 import operator
 import os
 import re
-import tempfile
 
 import httpx
 import numpy as np
 import openai
 
 from forkjax.workflows import tasks
-from forkjax.workflows.local_server import ServerProcess
+from forkjax.workflows.local_server import server_url
 
 # tiny-llama's demo agents: a generic ReAct loop until one calls finish[...]
 SYSTEM = """Three agents (planner, coder, critic) share this transcript. On your turn write a
@@ -183,12 +181,7 @@ def main(argv=None):
     model = "tiny-llama" if args.tiny_llama else "smollm2-135m"
     agents = args.agents.split(",") if args.tiny_llama else list(tasks.ROLES)
 
-    with contextlib.ExitStack() as stack:
-        base_url = args.base_url
-        if base_url is None:
-            log = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "server.log")
-            print(f"=== starting python -m forkjax.serve --model {model} (log: {log})", flush=True)
-            base_url = stack.enter_context(ServerProcess(model, SERVER_ARGS, log_path=log)).url + "/v1"
+    with server_url(args.base_url, model, SERVER_ARGS) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key)
         served = {m.id for m in client.models.list()}
         if missing := [a for a in agents if a not in served]:

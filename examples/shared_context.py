@@ -45,7 +45,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     records = tasks.directory(rng, args.entries)
     context = tasks.context_text(records)
-    with server_url(args, []) as base_url:
+    with server_url(args.base_url, args.model, []) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key)
         # roles of the trained agents ask their own kind of question; other adapters ask a critic's
         questions = [tasks.task(a if a in tasks.ROLES else "critic", records, rng)[0] for a in (first, second)]

@@ -100,7 +100,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream", action="store_true", help="stream each turn, reassembling its tool calls")
     args = p.parse_args(argv)
-    with server_url(args, SERVER_ARGS) as base_url:
+    with server_url(args.base_url, args.model, SERVER_ARGS) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key)
         answer = agent_loop(client, args.model, args.turns, args.stream, args.max_tokens)
         print(f"=== answer: {answer if answer is not None else '(none within the turns)'} "

@@ -41,16 +41,16 @@ def add_server_args(p: argparse.ArgumentParser, model: str = "smollm2-135m"):
 
 
 @contextlib.contextmanager
-def server_url(args: argparse.Namespace, server_args: list[str]):
-    """`args.base_url`, or the /v1 URL of a server started for `args.model` with `server_args`
-    (add_server_args), stopped on leaving."""
-    if args.base_url is not None:
-        yield args.base_url
+def server_url(base_url: str | None, model: str, server_args: list[str]):
+    """`base_url` (an example's --base-url), or the /v1 URL of a server started for `model` with
+    `server_args`, stopped on leaving."""
+    if base_url is not None:
+        yield base_url
         return
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "server.log")
-        print(f"=== starting python -m forkjax.serve --model {args.model} (log: {log})", flush=True)
-        with ServerProcess(args.model, server_args, log_path=log) as server:
+        print(f"=== starting python -m forkjax.serve --model {model} (log: {log})", flush=True)
+        with ServerProcess(model, server_args, log_path=log) as server:
             yield server.url + "/v1"
 
 
